@@ -1,0 +1,111 @@
+"""Baselines the papers compare against: the lower and upper bounds of SSFL.
+
+* ``server_only``: the server's labels alone (Zhang et al. Eq. 2 every round, no clients).
+  The lower bound every SSFL method must beat.
+* ``fedavg_sl``: FedAvg where clients hold the labels of all their data (the upper bound).
+  Clients train cross-entropy with weak augmentation for T steps; by default the server also
+  trains on its labels and is averaged in as one model, exactly as the SSFL benchmark's
+  Eq. 5 does, so the only difference from ``fedavg_ssl`` is that clients have labels.
+  ``include_server: false`` gives McMahan et al.'s FedAvg weighted by client sample counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..aggregation import fedavg_with_server, weighted_average
+from ..training import InputPipeline, cpu_state, supervised_steps
+from .base import AlgorithmConfig, ClientContext, ClientData, Message
+from .common import GlobalModelAlgorithm, client_party
+from .registry import register_algorithm
+
+
+@dataclass
+class ServerOnlyConfig(AlgorithmConfig):
+    """``server_only`` has no hyper-parameters beyond ``train_args`` (T steps per round)."""
+
+
+@register_algorithm
+class ServerOnly(GlobalModelAlgorithm):
+    """Supervised training on the server's N_s labels alone; clients send and receive nothing."""
+
+    name = "server_only"
+    config_class = ServerOnlyConfig
+
+    def server_step(self, round_idx: int) -> None:
+        self.global_state = self.train_on_server_labels(self.global_state, round_idx)
+
+    def message_for(self, client_id: int, round_idx: int) -> Message:
+        return Message(extras={"round": round_idx})
+
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        return Message()
+
+    def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
+        return {}
+
+
+@dataclass
+class FedAvgSLConfig(AlgorithmConfig):
+    """Options of ``fedavg_sl``.
+
+    Attributes
+    ----------
+    include_server : bool
+        Server trains on its labels and counts as one model in a uniform average (Eq. 5);
+        false: plain FedAvg over clients weighted by their sample counts.
+    """
+
+    include_server: bool = True
+
+
+@register_algorithm
+class FedAvgSL(GlobalModelAlgorithm):
+    """FedAvg with fully labeled clients: the supervised upper bound."""
+
+    name = "fedavg_sl"
+    config_class = FedAvgSLConfig
+    label_scenarios = ("server", "client")
+
+    def server_step(self, round_idx: int) -> None:
+        has_labels = self.server_data.labeled_idx.numel() > 0
+        self._server_state = (
+            self.train_on_server_labels(self.global_state, round_idx)
+            if self.config.include_server and has_labels
+            else None
+        )
+
+    def message_for(self, client_id: int, round_idx: int) -> Message:
+        return self.broadcast(round_idx)
+
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        model = self.scratch_model(msg.weights, ctx.device)
+        idx = torch.cat([data.unlabeled_idx, data.labeled_idx])
+        if idx.numel() == 0:
+            return Message()
+        loss = supervised_steps(
+            model,
+            InputPipeline(self.data_info, ctx.device),
+            data.images,
+            data.labels,
+            idx,
+            self.train,
+            ctx.round_idx,
+            ctx.generator(data.client_id),
+            party=client_party(ctx, data.client_id),
+        )
+        return Message(
+            weights=cpu_state(model), num_samples=int(idx.numel()), extras={"metrics": {"loss": loss}}
+        )
+
+    def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
+        states = [m.weights for m in replies.values() if not m.is_empty]
+        if self._server_state is not None:
+            self.global_state = fedavg_with_server(self._server_state, states)
+        elif states:
+            self.global_state = weighted_average(
+                states, [m.num_samples for m in replies.values() if not m.is_empty]
+            )
+        return {}

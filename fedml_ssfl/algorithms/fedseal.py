@@ -1,0 +1,442 @@
+"""FedSEAL (Bian et al. 2021): self-ensemble learning and negative learning at unlabeled clients.
+
+Labels-at-server. The server holds N_s labeled samples and a validation set; clients hold only
+unlabeled data.
+
+* Bootstrapping (Sec. 4.1.3): ``w^0`` is trained on the server's labels alone (Eq. 3/4 without
+  averaging), for ``bootstrap_steps`` SGD steps with a cosine decay.
+* Each round t (Algorithm 1): the server averages the clients' models of the previous round
+  uniformly (Eq. 2; itself not counted), trains the average on its labels with weak augmentation
+  (Eq. 3/4, ``server_steps`` steps) into ``w^t``, and computes class-wise thresholds on its
+  validation set (Eq. 5: ``tau_m = sum_val p_m 1{pred = m} / #{y = m}``), which travel with
+  ``w^t``.
+* A client keeps the self-ensemble ``p_bar`` of the global models' probabilities on each of its
+  samples, updated incrementally (Eq. 8: ``p_bar^t = (t-1)/t p_bar^{t-1} + 1/t p(x; w^t)``) as
+  its persistent state (an (n_local, d) CPU tensor and the count t). Positive set (Eq. 9/10):
+  ``y+ = argmax p_bar`` where ``p_bar_{y+} >= tau_{y+}``. Negative set (Eq. 11/12): samples not
+  in the positive set with some class ``p_bar_m <= theta``; one such class, drawn uniformly, is
+  the complementary label ``y-``. The two sets are disjoint by construction.
+* Client loss (Eq. 13-15): ``lambda * CE(y+, f(A(x)))`` on strongly augmented positives plus
+  ``-log(1 - f(x)_{y-})`` on the (unaugmented) negatives, each the mean over its mini-batch;
+  T = ``train_args.local_steps`` SGD steps (momentum ``train_args.momentum``).
+* ``lambda`` grows over the rounds (Sec. 4.2.3, "small at first"): linear from
+  ``lambda_start`` to ``lambda_end`` over ``lambda_rampup_rounds`` rounds.
+* Learning rate (Sec. 5.2.1): server and clients use ``train_args.learning_rate`` decayed by
+  ``lr_decay`` (0.995) per round, constant within a round, times ``train_args.lr_schedule``
+  evaluated at the round's start. The paper's schedule is ``lr_schedule: constant``,
+  ``learning_rate: 0.001``, ``momentum: 0.9``.
+
+Deviations and choices where the paper is silent:
+
+* E_s and E_c (epochs) are expressed in steps: ``server_steps`` (default T) and
+  ``train_args.local_steps``.
+* The paper gives no lambda schedule numbers; 0.1 -> 1 over 10 rounds is this project's
+  default. Bootstrapping length is not given either: by default it is the whole supervised
+  budget of the server-only baseline (``comm_round x server_steps`` steps), so ``w^0`` is the
+  server-only model.
+* Probabilities for the ensemble and for the thresholds come from the model in eval mode on
+  unaugmented inputs (Eq. 5/7 write ``p(x_i; w)``).
+* With partial participation a client folds in only the global models it receives.
+* Eq. 5 is implemented literally: a class no validation sample is predicted as gets threshold 0
+  (every client sample predicted as that class is kept), an over-predicted class can get a
+  threshold above 1 (none kept); a class absent from the validation set gets ``inf``.
+* Logging: ``runtime`` evaluates after each round the model broadcast in that round (Algorithm 1
+  trains the server first); :meth:`FedSEAL.finalize` averages in the last round's clients with
+  one more server update, so the final model has seen every round.
+* Ablations of Sec. 5.2: ``self_ensemble: false`` (current model only, Fig. 5),
+  ``fixed_threshold`` (one threshold for all classes, Sec. 5.2.4), ``negative_learning: false``
+  (positive loss only, Sec. 5.2.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .. import seeding
+from ..aggregation import weighted_average
+from ..config import ConfigError
+from ..ssl.negative import complementary_loss, sample_complementary_labels
+from ..training import (
+    BatchStream,
+    InputPipeline,
+    cosine_lr,
+    cpu_state,
+    make_optimizer,
+    set_lr,
+    supervised_steps,
+)
+from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
+from .common import GlobalModelAlgorithm, client_party
+from .registry import register_algorithm
+
+PREDICT_BATCH = 512
+"""Batch size of the no-gradient passes (ensemble, thresholds, pseudo-labels)."""
+
+
+@torch.no_grad()
+def predict_probs(
+    model: nn.Module,
+    pipeline: InputPipeline,
+    images: torch.Tensor,
+    idx: torch.Tensor,
+    generator: torch.Generator | None = None,
+    augment: str = "plain",
+    batch_size: int = PREDICT_BATCH,
+) -> torch.Tensor:
+    """Softmax probabilities of ``model`` in eval mode on ``images[idx]``, as a CPU float tensor.
+
+    ``augment`` is ``"plain"`` (no augmentation) or ``"weak"`` (alpha(x), drawing from
+    ``generator``). The model's train/eval mode is restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, idx.numel(), batch_size):
+        batch = images[idx[start : start + batch_size]]
+        x = pipeline.weak(batch, generator) if augment == "weak" else pipeline.plain(batch)
+        out.append(model(x).float().softmax(dim=1).cpu())
+    model.train(was_training)
+    if not out:
+        return torch.zeros(0, 0)
+    return torch.cat(out)
+
+
+def classwise_thresholds(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Bian et al. Eq. 5: ``tau_m = sum_i p_m(x_i) 1{f(x_i) = m} / sum_i 1{y_i = m}``.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        (N, d) probabilities of the validation samples under the current global model.
+    labels : torch.Tensor
+        (N,) true validation labels.
+    num_classes : int
+        d.
+
+    Returns
+    -------
+    torch.Tensor
+        (d,) float thresholds; ``inf`` for a class with no validation sample.
+    """
+    conf, pred = probs.max(dim=1)
+    num = torch.zeros(num_classes, dtype=torch.float64).index_add_(0, pred.cpu(), conf.double().cpu())
+    den = torch.bincount(labels.cpu(), minlength=num_classes).double()
+    tau = torch.where(den > 0, num / den.clamp_min(1), torch.full_like(num, float("inf")))
+    return tau.float()
+
+
+def update_ensemble(mean: torch.Tensor | None, count: int, probs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Bian et al. Eq. 8: ``p_bar^t = (t-1)/t p_bar^{t-1} + 1/t p(x; w^t)``, with ``t = count + 1``.
+
+    Returns the new running mean (a new tensor) and the new count. A missing or mismatched
+    ``mean`` (e.g. the first round) starts the ensemble at ``probs``.
+    """
+    probs = probs.detach().float().cpu()
+    if mean is None or count <= 0 or mean.shape != probs.shape:
+        return probs.clone(), 1
+    t = count + 1
+    return (t - 1) / t * mean + probs / t, t
+
+
+@dataclass
+class FilteredSets:
+    """The positive (Eq. 10) and negative (Eq. 12) sets of one client, as masks over its samples."""
+
+    pos_mask: torch.Tensor
+    pos_labels: torch.Tensor
+    neg_mask: torch.Tensor
+    neg_labels: torch.Tensor
+
+
+def filter_sets(
+    ensemble: torch.Tensor,
+    thresholds: torch.Tensor,
+    theta: float,
+    generator: torch.Generator,
+    negative: bool = True,
+) -> FilteredSets:
+    """Bian et al. Eq. 9-12 on the ensemble probabilities ``ensemble`` (n, d).
+
+    Positive: ``p_bar_{y+} >= tau_{y+}`` with ``y+ = argmax p_bar``. Negative: not positive and
+    some ``p_bar_m <= theta``; ``y-`` drawn uniformly among those classes.
+    """
+    conf, pos_labels = ensemble.max(dim=1)
+    pos_mask = conf >= thresholds.to(ensemble.device)[pos_labels]
+    neg_labels, has_candidate = sample_complementary_labels(ensemble, theta, generator)
+    neg_mask = has_candidate.to(pos_mask.device) & ~pos_mask
+    if not negative:
+        neg_mask = torch.zeros_like(pos_mask)
+    return FilteredSets(pos_mask=pos_mask, pos_labels=pos_labels, neg_mask=neg_mask, neg_labels=neg_labels)
+
+
+@dataclass
+class FedSEALConfig(AlgorithmConfig):
+    """Hyper-parameters of FedSEAL (Bian et al. Sec. 4 and 5.2).
+
+    Attributes
+    ----------
+    theta : float
+        Complementary threshold of Eq. 11/12 (paper: 0.05).
+    server_steps : int or None
+        Server SGD steps per round (E_s epochs in the paper); None: ``train_args.local_steps``.
+    bootstrap_steps : int or None
+        Steps of server-only training for ``w^0`` (Sec. 4.1.3); None: ``comm_round x
+        server_steps`` (the server-only baseline's budget); 0 starts from a random model.
+    lr_decay : float
+        Per-round learning-rate decay factor (paper: 0.995).
+    lambda_start, lambda_end : float
+        Weight of the positive loss (Eq. 13) in the first round and after the ramp-up.
+    lambda_rampup_rounds : int
+        Rounds of the linear ramp from ``lambda_start`` to ``lambda_end`` (0: ``lambda_end``
+        from the start).
+    self_ensemble : bool
+        Eq. 8 ensemble (default); false filters with the current global model only (Fig. 5).
+    fixed_threshold : float or None
+        None: class-wise thresholds of Eq. 5 (default). A number: that threshold for every
+        class (Sec. 5.2.4's comparison); the validation set is then not needed.
+    negative_learning : bool
+        Use the negative set and loss (default); false trains on the positive set only.
+    """
+
+    theta: float = 0.05
+    server_steps: int | None = None
+    bootstrap_steps: int | None = None
+    lr_decay: float = 0.995
+    lambda_start: float = 0.1
+    lambda_end: float = 1.0
+    lambda_rampup_rounds: int = 10
+    self_ensemble: bool = True
+    fixed_threshold: float | None = None
+    negative_learning: bool = True
+
+    def check(self, cfg) -> None:
+        """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
+        if not 0.0 <= self.theta <= 1.0:
+            raise ConfigError(f"ssfl_args.theta: {self.theta} must lie in [0, 1]")
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ConfigError(f"ssfl_args.lr_decay: {self.lr_decay} must lie in (0, 1]")
+        for key in ("server_steps", "bootstrap_steps"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"ssfl_args.{key}: {value} must be >= 0 (or null for the default)")
+        for key in ("lambda_start", "lambda_end"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be >= 0")
+        if self.lambda_rampup_rounds < 0:
+            raise ConfigError(f"ssfl_args.lambda_rampup_rounds: {self.lambda_rampup_rounds} must be >= 0")
+        if self.fixed_threshold is not None and not 0.0 <= self.fixed_threshold <= 1.0:
+            raise ConfigError(
+                f"ssfl_args.fixed_threshold: {self.fixed_threshold} must lie in [0, 1] (or null)"
+            )
+        if cfg.data_args.num_server_labels <= 0:
+            raise ConfigError(
+                "data_args.num_server_labels: fedseal trains the server on its labels "
+                "(Eq. 3/4, bootstrapping); set it > 0"
+            )
+        if self.fixed_threshold is None and cfg.data_args.num_server_val <= 0:
+            raise ConfigError(
+                "data_args.num_server_val: fedseal computes its class-wise thresholds (Eq. 5) on the "
+                "server's validation set, but it is 0; set data_args.num_server_val > 0 (the paper: 200 "
+                "on Fashion-MNIST), or set ssfl_args.fixed_threshold"
+            )
+
+    def positive_weight(self, round_idx: int) -> float:
+        """lambda of Eq. 13 in round ``round_idx``: a linear ramp from ``lambda_start`` to ``lambda_end``."""
+        if self.lambda_rampup_rounds <= 0:
+            return self.lambda_end
+        frac = min(1.0, round_idx / self.lambda_rampup_rounds)
+        return self.lambda_start + (self.lambda_end - self.lambda_start) * frac
+
+
+@register_algorithm
+class FedSEAL(GlobalModelAlgorithm):
+    """FedSEAL: server training + Eq. 5 thresholds; clients self-ensemble, positive and negative sets."""
+
+    name = "fedseal"
+    config_class = FedSEALConfig
+
+    # ---- schedule ------------------------------------------------------------------------
+    @property
+    def server_steps(self) -> int:
+        steps = self.config.server_steps
+        return self.train.local_steps if steps is None else steps
+
+    def round_lr(self, round_idx: int) -> float:
+        """The learning rate of round ``round_idx``: the train schedule at the round's start x decay^t."""
+        base = cosine_lr(self.train, round_idx * self.train.local_steps)
+        return base * self.config.lr_decay**round_idx
+
+    # ---- server ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        self.base_state: dict[str, torch.Tensor] = self.global_state
+        self.thresholds = torch.ones(self.server_data.num_classes)
+        self.bootstrapped = False
+
+    def _server_train(self, weights: dict[str, torch.Tensor], round_idx: int) -> dict[str, torch.Tensor]:
+        """Eq. 3/4: ``server_steps`` weak-augmentation SGD steps on the server's labels."""
+        if self.server_steps == 0:
+            return dict(weights)
+        model = self.scratch_model(weights, self.device, slot="server")
+        settings = dataclasses.replace(
+            self.train, learning_rate=self.round_lr(round_idx), lr_schedule="constant"
+        )
+        supervised_steps(
+            model,
+            InputPipeline(self.data_info, self.device),
+            self.server_data.images,
+            self.server_data.labels,
+            self.server_data.labeled_idx,
+            settings,
+            round_idx,
+            seeding.generator(self.seed, "fedseal-server", round_idx),
+            party="the server",
+            steps=self.server_steps,
+        )
+        return cpu_state(model)
+
+    def bootstrap(self) -> None:
+        """Sec. 4.1.3: ``w^0`` from server-only training (cosine decay over the bootstrap steps)."""
+        steps = self.config.bootstrap_steps
+        steps = self.train.comm_round * self.server_steps if steps is None else steps
+        if steps > 0:
+            model = self.scratch_model(self.global_state, self.device, slot="server")
+            settings = dataclasses.replace(
+                self.train,
+                local_steps=steps,
+                comm_round=1,
+                lr_schedule="cosine",
+                lr_cosine_c=0.5,
+                lr_warmup_rounds=0,
+            )
+            supervised_steps(
+                model,
+                InputPipeline(self.data_info, self.device),
+                self.server_data.images,
+                self.server_data.labels,
+                self.server_data.labeled_idx,
+                settings,
+                0,
+                seeding.generator(self.seed, "fedseal-bootstrap"),
+                party="the server (bootstrapping)",
+                steps=steps,
+            )
+            self.base_state = cpu_state(model)
+        self.bootstrapped = True
+
+    def update_thresholds(self) -> None:
+        """Eq. 5 on the server's validation set (or the fixed threshold)."""
+        d = self.server_data.num_classes
+        if self.config.fixed_threshold is not None:
+            self.thresholds = torch.full((d,), float(self.config.fixed_threshold))
+            return
+        model = self.scratch_model(self.global_state, self.device, slot="server")
+        val = self.server_data.val_idx
+        probs = predict_probs(model, InputPipeline(self.data_info, self.device), self.server_data.images, val)
+        self.thresholds = classwise_thresholds(probs, self.server_data.labels[val], d)
+
+    def server_step(self, round_idx: int) -> None:
+        if not self.bootstrapped:
+            self.bootstrap()
+        self.global_state = self._server_train(self.base_state, round_idx)
+        self.update_thresholds()
+
+    def message_for(self, client_id: int, round_idx: int) -> Message:
+        return self.broadcast(round_idx, thresholds=self.thresholds.clone())
+
+    def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
+        live = [m.weights for m in replies.values() if not m.is_empty]
+        # Eq. 2: uniform average of the clients' models; with no client model, keep w^t.
+        self.base_state = weighted_average(live) if live else self.global_state
+        finite = self.thresholds[torch.isfinite(self.thresholds)]
+        return {
+            "clients_sent": float(len(live)),
+            "threshold_mean": float(finite.mean()) if finite.numel() else float("nan"),
+            "lambda": self.config.positive_weight(round_idx),
+            "server_lr": self.round_lr(round_idx),
+        }
+
+    def finalize(self) -> None:
+        """One more server update (Eq. 3/4) on the last clients' average: the final model."""
+        last = self.train.comm_round - 1
+        self.global_state = self._server_train(self.base_state, last)
+        self.update_thresholds()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "base_state": dict(self.base_state),
+            "thresholds": self.thresholds.clone(),
+            "bootstrapped": self.bootstrapped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.base_state = state["base_state"]
+        self.thresholds = state["thresholds"]
+        self.bootstrapped = state["bootstrapped"]
+
+    # ---- client ----------------------------------------------------------------------------
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        n = data.num_unlabeled
+        if n == 0:
+            return Message()
+        cfg, round_idx = self.config, ctx.round_idx
+        model = self.scratch_model(msg.weights, ctx.device)
+        pipeline = InputPipeline(self.data_info, ctx.device)
+        gen = ctx.generator(data.client_id)
+        probs = predict_probs(model, pipeline, data.images, data.unlabeled_idx)
+        if cfg.self_ensemble:
+            state["ensemble"], state["ensemble_count"] = update_ensemble(
+                state.get("ensemble"), int(state.get("ensemble_count", 0)), probs
+            )
+            ensemble = state["ensemble"]
+        else:
+            ensemble = probs
+        sets = filter_sets(ensemble, msg.extras["thresholds"], cfg.theta, gen, cfg.negative_learning)
+        positions = torch.arange(n)
+        pos, neg = positions[sets.pos_mask], positions[sets.neg_mask]
+        truth = data.labels[data.unlabeled_idx]
+        metrics: dict[str, float] = {
+            "mask_rate": pos.numel() / n,
+            "neg_rate": neg.numel() / n,
+            "ensemble_size": float(state.get("ensemble_count", 1)),
+        }
+        if pos.numel():
+            metrics["pseudo_acc"] = float((sets.pos_labels[pos] == truth[pos]).float().mean())
+        if neg.numel():
+            metrics["neg_label_acc"] = float((sets.neg_labels[neg] != truth[neg]).float().mean())
+        if pos.numel() == 0 and neg.numel() == 0:
+            return Message(extras={"metrics": metrics})
+
+        lam = cfg.positive_weight(round_idx)
+        model.train()
+        opt = make_optimizer(model, self.train)
+        set_lr(opt, self.round_lr(round_idx))
+        pos_stream = BatchStream(pos, self.train.batch_size, gen) if pos.numel() else None
+        neg_stream = BatchStream(neg, self.train.batch_size, gen) if neg.numel() else None
+        party = client_party(ctx, data.client_id)
+        total = 0.0
+        for _ in range(self.train.local_steps):
+            loss = torch.zeros((), device=ctx.device)
+            if pos_stream is not None:
+                b = next(pos_stream)
+                logits = model(pipeline.strong(data.images[data.unlabeled_idx[b]], gen))
+                loss = loss + lam * F.cross_entropy(logits, sets.pos_labels[b].to(ctx.device))
+            if neg_stream is not None:
+                b = next(neg_stream)
+                logits = model(pipeline.plain(data.images[data.unlabeled_idx[b]]))
+                loss = loss + complementary_loss(logits, sets.neg_labels[b].to(ctx.device))
+            check_finite(loss, round_idx, party)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+        metrics["loss"] = total / self.train.local_steps
+        return Message(weights=cpu_state(model), num_samples=n, extras={"metrics": metrics})

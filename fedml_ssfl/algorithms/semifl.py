@@ -1,0 +1,605 @@
+"""SemiFL (Diao et al. 2022): alternate training of a labeled server and unlabeled clients.
+
+Labels-at-server. Each round t (Algorithm 1):
+
+* ServerUpdate (Eq. 1): the server fine-tunes the global model on its labels with weak
+  augmentation (``server_steps`` SGD steps), then updates the static BatchNorm (sBN)
+  statistics, and broadcasts the model.
+* ClientUpdate: a client pseudo-labels all its data ONCE with the received model in eval mode on
+  weakly augmented inputs (Eq. 2); the fix set is the samples with confidence ``>= threshold``
+  (Eq. 3; an empty fix set: the client stops and sends nothing); the mix set is ``|fix|``
+  samples drawn with replacement from all its pseudo-labeled data (Eq. 4). Per step:
+  ``lambda_mix ~ Beta(a, a)``, ``x_mix = lambda_mix x_fix + (1 - lambda_mix) x_mix``,
+  ``L_fix = CE(f(A(x_fix)), y_fix)``, ``L_mix = lambda_mix CE(f(alpha(x_mix)), y_fix) +
+  (1 - lambda_mix) CE(f(alpha(x_mix)), y_mix)`` (Eq. 5), and one SGD step on
+  ``L_fix + lambda L_mix`` (Eq. 6) with the gradient clipped to norm ``clip_norm``.
+* The server averages the received models uniformly and applies the average through a server
+  SGD (lr ``server_lr`` = 1, momentum ``server_momentum`` = 0.5) whose gradient is
+  ``w_global - w_avg`` (the authors' global momentum; the buffer is checkpointed).
+* After the last round: one more fine-tune and sBN update (:meth:`SemiFL.finalize`).
+
+Static BatchNorm (sBN): BatchNorm layers train on batch statistics; the running statistics of a
+model the server sends or evaluates are recomputed from per-layer sums (sum, sum of squares and
+count of every BN layer's inputs, collected in one train-mode pass without gradients), as the
+exact mean and (biased) variance of those inputs. ``sbn`` picks whose data:
+
+* ``federated`` (default): the server's own data (labeled + validation) when the model goes
+  out, so clients pseudo-label with statistics the server can compute alone; each client also
+  reports the sums of the received model over its own data in ``extras["bn_sums"]`` (a few KB),
+  and after the round the server sets the statistics of that model (the one it evaluates) from
+  server + client sums. The final model, trained after the clients' last reply, gets
+  statistics from the server's data.
+* ``server``: the server's data only, no client sums.
+* ``all_data_nonfederated``: the authors' code: the server reads every training image,
+  including the clients'. Not federated; offered only for reproducing the paper.
+* ``off``: no sBN; running statistics are averaged like any buffer.
+
+With a GroupNorm (or norm-free) model there are no BN layers and sBN does nothing.
+
+Ablations (Table 2): ``fine_tune: false`` trains the server in parallel and averages it with
+the clients as one model (the vanilla "Average" combination), and ``pseudo_labels: batch``
+pseudo-labels every local batch with the model being trained instead of once with the global
+model. ``final_fine_tune: false`` ends on the last average (with sBN) instead.
+
+Defaults are the paper's: threshold 0.95, a = 0.75, lambda = 1, clip 1, server momentum 0.5,
+Nesterov SGD. Deviations and choices:
+
+* Epochs are expressed in steps: the server takes ``server_steps`` (default
+  ``train_args.local_steps``) per round; clients take ``train_args.local_steps`` steps, or
+  ``local_epochs`` passes over the fix set when set (the paper: E = 5, batch 10).
+* The learning rate follows ``train_args.lr_schedule`` evaluated once per round (the paper:
+  cosine over the rounds), for server and clients alike; the final fine-tune uses the last
+  round's rate.
+* The accuracy logged after round t is that of the model broadcast in round t (Algorithm 1
+  trains the server first); the final evaluation includes the last round's clients.
+* Mixup is applied to the raw images, then weak augmentation to the mixture, as Eq. 5 writes.
+* ``pseudo_labels: batch`` labels each batch with the training model in eval mode (running
+  statistics as they stand) and mixes within the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import seeding
+from ..aggregation import weighted_average
+from ..config import ConfigError
+from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
+from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state
+from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings, check_finite
+from .common import GlobalModelAlgorithm, client_party
+from .fedseal import predict_probs
+from .registry import register_algorithm
+
+log = logging.getLogger(__name__)
+
+SBN_MODES = ("federated", "server", "all_data_nonfederated", "off")
+BNSums = dict[str, dict[str, torch.Tensor]]
+
+
+# ---- static BatchNorm ------------------------------------------------------------------------
+def bn_layers(model: nn.Module) -> dict[str, _BatchNorm]:
+    """The model's BatchNorm layers by module name (empty for GroupNorm models)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
+
+
+@torch.no_grad()
+def bn_sums(
+    model: nn.Module, pipeline: InputPipeline, images: torch.Tensor, idx: torch.Tensor, batch_size: int
+) -> BNSums:
+    """Per-BN-layer ``sum``, ``sumsq`` and ``count`` of the layer's inputs over ``images[idx]``.
+
+    One pass in train mode (each batch normalised by its own statistics, as in training), on
+    unaugmented inputs, without gradients. Sums are per channel, in float64; ``count`` is the
+    number of values per channel (N x H x W). The model's buffers and mode are left unchanged.
+    """
+    layers = bn_layers(model)
+    if not layers or idx.numel() == 0:
+        return {}
+    sums: BNSums = {}
+    saved = {
+        k: v.clone() for k, v in model.state_dict().items() if not v.is_floating_point() or "running" in k
+    }
+
+    def hook(name: str):
+        def record(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            x = inputs[0].detach().double()
+            dims = [d for d in range(x.ndim) if d != 1]
+            entry = sums.setdefault(name, {"sum": 0.0, "sumsq": 0.0, "count": 0.0})
+            entry["sum"] = entry["sum"] + x.sum(dim=dims).cpu()
+            entry["sumsq"] = entry["sumsq"] + (x * x).sum(dim=dims).cpu()
+            entry["count"] = entry["count"] + float(x.numel() // x.shape[1])
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
+    was_training = model.training
+    model.train()
+    try:
+        for start in range(0, idx.numel(), batch_size):
+            model(pipeline.plain(images[idx[start : start + batch_size]]))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        model.load_state_dict(saved, strict=False)
+    return {
+        k: {"sum": v["sum"], "sumsq": v["sumsq"], "count": torch.tensor(v["count"], dtype=torch.float64)}
+        for k, v in sums.items()
+    }
+
+
+def merge_bn_sums(parts: list[BNSums]) -> BNSums:
+    """Add per-layer sums from several parties (layers missing from a party add nothing)."""
+    out: BNSums = {}
+    for part in parts:
+        for name, entry in part.items():
+            if name not in out:
+                out[name] = {k: v.clone() for k, v in entry.items()}
+            else:
+                for k in ("sum", "sumsq", "count"):
+                    out[name][k] = out[name][k] + entry[k]
+    return out
+
+
+def apply_bn_sums(state: dict[str, torch.Tensor], sums: BNSums) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` whose BN running statistics are the mean and biased variance in ``sums``."""
+    out = dict(state)
+    for name, entry in sums.items():
+        count = float(entry["count"])
+        if count <= 0:
+            continue
+        mean = entry["sum"] / count
+        var = (entry["sumsq"] / count - mean * mean).clamp_min(0.0)
+        key_mean, key_var = f"{name}.running_mean", f"{name}.running_var"
+        if key_mean in out:
+            out[key_mean] = mean.to(out[key_mean].dtype)
+            out[key_var] = var.to(out[key_var].dtype)
+    return out
+
+
+# ---- server momentum -------------------------------------------------------------------------
+def server_momentum_step(
+    global_state: dict[str, torch.Tensor],
+    avg_state: dict[str, torch.Tensor],
+    buffer: dict[str, torch.Tensor],
+    lr: float,
+    momentum: float,
+    param_keys: set[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One server SGD step on the pseudo-gradient ``g = w_global - w_avg`` (PyTorch SGD's rule).
+
+    For each parameter: ``buf = g`` the first time, else ``buf = momentum * buf + g``; then
+    ``w_new = w_global - lr * buf``. With ``lr = 1`` and ``momentum = 0`` this is ``w_avg``.
+    Buffers that are not parameters (BN statistics, counters) are taken from ``avg_state``.
+
+    Returns
+    -------
+    (dict, dict)
+        The new global state and the new momentum buffer (inputs are not modified).
+    """
+    new_state: dict[str, torch.Tensor] = {}
+    new_buf: dict[str, torch.Tensor] = {}
+    for k, w in global_state.items():
+        if k in param_keys and w.is_floating_point():
+            g = w.double() - avg_state[k].double()
+            buf = g if k not in buffer else momentum * buffer[k].double() + g
+            new_buf[k] = buf.to(w.dtype)
+            new_state[k] = (w.double() - lr * buf).to(w.dtype)
+        else:
+            new_state[k] = avg_state[k].clone()
+    return new_state, new_buf
+
+
+# ---- fix and mix sets ------------------------------------------------------------------------
+@dataclass
+class FixMixSets:
+    """Positions (into the client's unlabeled samples) and labels of the fix and mix sets."""
+
+    fix: torch.Tensor
+    fix_labels: torch.Tensor
+    mix: torch.Tensor
+    mix_labels: torch.Tensor
+
+
+def fix_mix_sets(probs: torch.Tensor, threshold: float, generator: torch.Generator) -> FixMixSets:
+    """Diao et al. Eq. 3 and 4: fix = samples with ``max prob >= threshold``; mix = ``|fix|`` draws
+    with replacement from all samples, each with its (unthresholded) pseudo-label."""
+    conf, labels = probs.max(dim=1)
+    fix = torch.nonzero(conf >= threshold).flatten()
+    mix = torch.randint(0, probs.shape[0], (fix.numel(),), generator=generator) if fix.numel() else fix
+    return FixMixSets(fix=fix, fix_labels=labels[fix], mix=mix, mix_labels=labels[mix])
+
+
+@dataclass
+class SemiFLConfig(AlgorithmConfig):
+    """Hyper-parameters of SemiFL (Diao et al. Algorithm 1, Sec. 4, Table 2).
+
+    Attributes
+    ----------
+    threshold : float
+        tau, the confidence threshold of the fix set (0.95).
+    mixup_alpha : float
+        a of ``lambda_mix ~ Beta(a, a)`` (0.75).
+    loss_lambda : float
+        lambda weighting L_mix in Eq. 6 (1).
+    clip_norm : float
+        Client gradient-norm clipping (1); 0 disables it.
+    server_lr, server_momentum : float
+        The server SGD on ``w_global - w_avg`` (1 and 0.5).
+    nesterov : bool
+        Nesterov momentum for server and client SGD (the authors: true).
+    server_steps : int or None
+        Server fine-tune steps per round (the paper: 5 epochs); None: ``train_args.local_steps``.
+    local_epochs : int or None
+        None: clients take ``train_args.local_steps`` steps; an integer E: E passes over the
+        fix set (the paper: 5).
+    fine_tune : bool
+        Table 2's "fine-tune global model with labeled data" (true); false: the server trains in
+        parallel and is averaged with the clients as one model.
+    pseudo_labels : str
+        Table 2's "generate pseudo-labels with global model": ``global`` (default) or ``batch``.
+    final_fine_tune : bool
+        Fine-tune (+ sBN) once more after the last round (true).
+    sbn : str
+        ``federated`` (default), ``server``, ``all_data_nonfederated`` or ``off`` (see module doc).
+    """
+
+    threshold: float = 0.95
+    mixup_alpha: float = 0.75
+    loss_lambda: float = 1.0
+    clip_norm: float = 1.0
+    server_lr: float = 1.0
+    server_momentum: float = 0.5
+    nesterov: bool = True
+    server_steps: int | None = None
+    local_epochs: int | None = None
+    fine_tune: bool = True
+    pseudo_labels: str = "global"
+    final_fine_tune: bool = True
+    sbn: str = "federated"
+
+    def check(self, cfg) -> None:
+        """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
+        choices = {"pseudo_labels": ("global", "batch"), "sbn": SBN_MODES}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(
+                    f"ssfl_args.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}"
+                )
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"ssfl_args.threshold: {self.threshold} must lie in [0, 1]")
+        for key in ("mixup_alpha", "server_lr"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be > 0")
+        for key in ("loss_lambda", "clip_norm"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be >= 0")
+        if not 0.0 <= self.server_momentum < 1.0:
+            raise ConfigError(f"ssfl_args.server_momentum: {self.server_momentum} must lie in [0, 1)")
+        if self.server_steps is not None and self.server_steps < 0:
+            raise ConfigError(f"ssfl_args.server_steps: {self.server_steps} must be >= 0 (or null)")
+        if self.local_epochs is not None and self.local_epochs < 1:
+            raise ConfigError(
+                f"ssfl_args.local_epochs: {self.local_epochs} must be >= 1 (or null for "
+                "train_args.local_steps steps)"
+            )
+        if self.nesterov and cfg.train_args.momentum <= 0:
+            raise ConfigError(
+                "ssfl_args.nesterov: Nesterov SGD needs train_args.momentum > 0; set nesterov: false"
+            )
+        if cfg.data_args.num_server_labels <= 0:
+            raise ConfigError(
+                "data_args.num_server_labels: semifl fine-tunes on the server's labels; set it > 0"
+            )
+
+
+@register_algorithm
+class SemiFL(GlobalModelAlgorithm):
+    """SemiFL: server fine-tune + sBN, then fix/mix pseudo-label training on clients, server momentum."""
+
+    name = "semifl"
+    config_class = SemiFLConfig
+
+    # ---- helpers ---------------------------------------------------------------------------
+    @property
+    def server_steps(self) -> int:
+        return self.train.local_steps if self.config.server_steps is None else self.config.server_steps
+
+    def round_lr(self, round_idx: int) -> float:
+        """``train_args.lr_schedule`` at the start of round ``round_idx``, for the whole round."""
+        return cosine_lr(self.train, min(round_idx, self.train.comm_round - 1) * self.train.local_steps)
+
+    def make_sgd(self, model: nn.Module, lr: float) -> torch.optim.SGD:
+        t: TrainSettings = self.train
+        return torch.optim.SGD(
+            model.parameters(),
+            lr=lr,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            nesterov=self.config.nesterov and t.momentum > 0,
+        )
+
+    def _fine_tune(
+        self, weights: dict[str, torch.Tensor], round_idx: int, tag: str
+    ) -> dict[str, torch.Tensor]:
+        """ServerUpdate (Eq. 1): ``server_steps`` weak-augmentation steps on the server's labels."""
+        model = self.scratch_model(weights, self.device, slot="server")
+        if self.server_steps == 0:
+            return cpu_state(model)
+        model.train()
+        pipeline = InputPipeline(self.data_info, self.device)
+        gen = seeding.generator(self.seed, "semifl-server", tag, round_idx)
+        opt = self.make_sgd(model, self.round_lr(round_idx))
+        sd = self.server_data
+        stream = BatchStream(sd.labeled_idx, self.train.batch_size, gen)
+        for _ in range(self.server_steps):
+            b = next(stream)
+            loss = F.cross_entropy(model(pipeline.weak(sd.images[b], gen)), sd.labels[b].to(self.device))
+            check_finite(loss, round_idx, "the server")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return cpu_state(model)
+
+    def _server_bn_sums(self, weights: dict[str, torch.Tensor]) -> BNSums:
+        """sBN sums of ``weights`` over the data the ``sbn`` mode lets the server read."""
+        mode = self.config.sbn
+        if mode == "off":
+            return {}
+        sd = self.server_data
+        if mode == "all_data_nonfederated":
+            idx = torch.arange(sd.images.shape[0])
+        else:
+            idx = torch.cat([sd.labeled_idx, sd.val_idx])
+        model = self.scratch_model(weights, self.device, slot="server")
+        return bn_sums(
+            model, InputPipeline(self.data_info, self.device), sd.images, idx, self.train.batch_size
+        )
+
+    def _with_sbn(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._server_sums = self._server_bn_sums(weights)
+        return apply_bn_sums(weights, self._server_sums)
+
+    # ---- server ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        self.base_state: dict[str, torch.Tensor] = self.global_state
+        self.momentum_buffer: dict[str, torch.Tensor] = {}
+        self.param_keys = {name for name, _ in self.model_fn().named_parameters()}
+        self._server_sums: BNSums = {}
+        self._parallel_state: dict[str, torch.Tensor] | None = None
+        if self.config.sbn == "all_data_nonfederated":
+            log.warning(
+                "semifl: sbn=all_data_nonfederated reads every client's images on the server "
+                "(the authors' code); this is not federated learning"
+            )
+
+    def server_step(self, round_idx: int) -> None:
+        if self.config.fine_tune:
+            sent = self._fine_tune(self.base_state, round_idx, "round")
+            self._parallel_state = None
+        else:
+            sent = self.base_state
+            self._parallel_state = self._fine_tune(self.base_state, round_idx, "parallel")
+        self.global_state = self._with_sbn(sent)
+
+    def message_for(self, client_id: int, round_idx: int) -> Message:
+        return self.broadcast(round_idx)
+
+    def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
+        live = [m for m in replies.values() if not m.is_empty]
+        states = [m.weights for m in live]
+        if self._parallel_state is not None:
+            states.append(self._parallel_state)
+        sent = self.global_state
+        if states:
+            avg = weighted_average(states)
+            self.base_state, self.momentum_buffer = server_momentum_step(
+                sent,
+                avg,
+                self.momentum_buffer,
+                self.config.server_lr,
+                self.config.server_momentum,
+                self.param_keys,
+            )
+        else:  # nobody sent a model: keep the broadcast model, leave the momentum untouched
+            self.base_state = dict(sent)
+        if self.config.sbn == "federated" and self._server_sums:
+            client_sums = [m.extras["bn_sums"] for m in live if m.extras.get("bn_sums")]
+            if client_sums:
+                self.global_state = apply_bn_sums(sent, merge_bn_sums([self._server_sums, *client_sums]))
+        return {"clients_sent": float(len(live))}
+
+    def finalize(self) -> None:
+        """After the last round: fine-tune the last average once more and update sBN (Algorithm 1)."""
+        final = self.base_state
+        if self.config.final_fine_tune:
+            final = self._fine_tune(final, self.train.comm_round - 1, "final")
+        self.global_state = self._with_sbn(final)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "base_state": dict(self.base_state),
+            "momentum_buffer": dict(self.momentum_buffer),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.base_state = state["base_state"]
+        self.momentum_buffer = state["momentum_buffer"]
+
+    # ---- client ----------------------------------------------------------------------------
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        n = data.num_unlabeled
+        if n == 0:
+            return Message()
+        model = self.scratch_model(msg.weights, ctx.device)
+        pipeline = InputPipeline(self.data_info, ctx.device)
+        gen = ctx.generator(data.client_id)
+        extras: dict[str, Any] = {}
+        if self.config.sbn == "federated":
+            sums = bn_sums(model, pipeline, data.images, data.unlabeled_idx, self.train.batch_size)
+            if sums:
+                extras["bn_sums"] = sums
+        if self.config.pseudo_labels == "global":
+            metrics, trained = self._train_global_labels(model, pipeline, data, gen, ctx)
+        else:
+            metrics, trained = self._train_batch_labels(model, pipeline, data, gen, ctx)
+        if not trained:
+            return Message(extras={"metrics": metrics})
+        extras["metrics"] = metrics
+        return Message(weights=cpu_state(model), num_samples=n, extras=extras)
+
+    def _step(
+        self,
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        pipeline: InputPipeline,
+        images: torch.Tensor,
+        fix_idx: torch.Tensor,
+        y_fix: torch.Tensor,
+        mix_idx: torch.Tensor,
+        y_mix: torch.Tensor,
+        gen: torch.Generator,
+        round_idx: int,
+        party: str,
+    ) -> tuple[float, float]:
+        """One SGD step on L_fix + lambda L_mix (Eq. 5/6); returns (loss, lambda_mix)."""
+        device = pipeline.device
+        lam = sample_mix_lambda(self.config.mixup_alpha, gen)
+        y_fix, y_mix = y_fix.to(device), y_mix.to(device)
+        loss_fix = F.cross_entropy(model(pipeline.strong(images[fix_idx], gen)), y_fix)
+        mixed = mix_inputs(pipeline.raw(images[fix_idx]), pipeline.raw(images[mix_idx]), lam)
+        loss_mix = mixup_loss(model(pipeline.weak(mixed, gen)), y_fix, y_mix, lam)
+        loss = loss_fix + self.config.loss_lambda * loss_mix
+        check_finite(loss, round_idx, party)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.clip_norm > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), self.config.clip_norm)
+        opt.step()
+        return float(loss.detach()), lam
+
+    def _train_global_labels(
+        self,
+        model: nn.Module,
+        pipeline: InputPipeline,
+        data: ClientData,
+        gen: torch.Generator,
+        ctx: ClientContext,
+    ) -> tuple[dict[str, float], bool]:
+        """Pseudo-label once with the received model (Eq. 2-4), then train on fix + mix."""
+        n = data.num_unlabeled
+        probs = predict_probs(model, pipeline, data.images, data.unlabeled_idx, gen, augment="weak")
+        sets = fix_mix_sets(probs, self.config.threshold, gen)
+        truth = data.labels[data.unlabeled_idx]
+        metrics: dict[str, float] = {
+            "mask_rate": sets.fix.numel() / n,
+            "pseudo_acc_all": float((probs.argmax(dim=1) == truth).float().mean()),
+        }
+        if sets.fix.numel() == 0:
+            return metrics, False
+        metrics["pseudo_acc"] = float((sets.fix_labels == truth[sets.fix]).float().mean())
+        bs = self.train.batch_size
+        steps = (
+            self.train.local_steps
+            if self.config.local_epochs is None
+            else self.config.local_epochs * math.ceil(sets.fix.numel() / min(bs, sets.fix.numel()))
+        )
+        model.train()
+        opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
+        positions = torch.arange(sets.fix.numel())
+        fix_stream = BatchStream(positions, bs, gen)
+        mix_stream = BatchStream(positions, bs, gen)
+        party = client_party(ctx, data.client_id)
+        loss_sum = lam_sum = 0.0
+        for _ in range(steps):
+            fb, mb = next(fix_stream), next(mix_stream)
+            loss, lam = self._step(
+                model,
+                opt,
+                pipeline,
+                data.images,
+                data.unlabeled_idx[sets.fix[fb]],
+                sets.fix_labels[fb],
+                data.unlabeled_idx[sets.mix[mb]],
+                sets.mix_labels[mb],
+                gen,
+                ctx.round_idx,
+                party,
+            )
+            loss_sum += loss
+            lam_sum += lam
+        metrics.update(loss=loss_sum / steps, mix_lambda=lam_sum / steps, local_steps=float(steps))
+        return metrics, True
+
+    def _train_batch_labels(
+        self,
+        model: nn.Module,
+        pipeline: InputPipeline,
+        data: ClientData,
+        gen: torch.Generator,
+        ctx: ClientContext,
+    ) -> tuple[dict[str, float], bool]:
+        """Table 2 ablation: pseudo-label each batch with the model being trained."""
+        n = data.num_unlabeled
+        bs = self.train.batch_size
+        steps = (
+            self.train.local_steps
+            if self.config.local_epochs is None
+            else self.config.local_epochs * math.ceil(n / min(bs, n))
+        )
+        model.train()
+        opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
+        stream = BatchStream(data.unlabeled_idx, bs, gen)
+        truth_all = data.labels
+        party = client_party(ctx, data.client_id)
+        kept = correct = seen = 0
+        loss_sum = lam_sum = 0.0
+        taken = 0
+        for _ in range(steps):
+            b = next(stream)
+            probs = predict_probs(model, pipeline, data.images, b, gen, augment="weak")
+            sets = fix_mix_sets(probs, self.config.threshold, gen)
+            seen += b.numel()
+            if sets.fix.numel() == 0:
+                continue
+            kept += sets.fix.numel()
+            correct += int((sets.fix_labels == truth_all[b[sets.fix]]).sum())
+            model.train()
+            loss, lam = self._step(
+                model,
+                opt,
+                pipeline,
+                data.images,
+                b[sets.fix],
+                sets.fix_labels,
+                b[sets.mix],
+                sets.mix_labels,
+                gen,
+                ctx.round_idx,
+                party,
+            )
+            loss_sum += loss
+            lam_sum += lam
+            taken += 1
+        metrics: dict[str, float] = {"mask_rate": kept / max(seen, 1)}
+        if taken == 0:
+            return metrics, False
+        metrics.update(
+            pseudo_acc=correct / kept,
+            loss=loss_sum / taken,
+            mix_lambda=lam_sum / taken,
+            local_steps=float(taken),
+        )
+        return metrics, True

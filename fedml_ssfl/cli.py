@@ -1,0 +1,158 @@
+"""The ``fedml-ssfl`` command line.
+
+``fedml-ssfl run`` with no arguments runs the default main job (offline, shipped MNIST-5k)
+and prints the server-only accuracy beside the SSFL method's, from the same data split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .config import ConfigError, ExperimentConfig, load_config
+
+log = logging.getLogger("fedml_ssfl")
+
+
+def _add_config_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        p.add_argument("config", nargs="?", help="experiment YAML (default: the built-in main job)")
+    p.add_argument("--cf", dest="cf", help="experiment YAML (FedML's flag; same as the positional CONFIG)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value, e.g. --set train_args.comm_round=5 (repeatable)",
+    )
+
+
+def _config_path(args: argparse.Namespace) -> str | None:
+    if args.config and args.cf and args.config != args.cf:
+        raise ConfigError(f"two configs given ({args.config} and --cf {args.cf}); pass one")
+    return args.cf or args.config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedml-ssfl", description="Semi-supervised federated learning on FedML"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment (default: the offline MNIST-5k main job)")
+    _add_config_args(run)
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a stopped run from its last checkpoint (default RUN_DIR: the config's run dir)",
+    )
+    run.add_argument(
+        "--no-compare", action="store_true", help="skip the baselines in common_args.compare_with"
+    )
+    run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    run.add_argument("--rank", type=int, default=None, help="FedML GRPC: this process's rank (0 = server)")
+    run.add_argument("--role", choices=("server", "client"), default=None, help="FedML GRPC: this process's role")
+
+    part = sub.add_parser(
+        "partition", help="print the data split: sizes, class histograms, R; save a heat-map"
+    )
+    _add_config_args(part)
+    part.add_argument("--out", help="heat-map PNG path (default: <run dir>/partition.png)")
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runtime.local import run_local
+
+    cfg = load_config(_config_path(args), args.overrides)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    resume = args.resume is not None
+    run_dir = Path(args.resume) if args.resume else None
+    if cfg.comm_args.backend != "local":
+        from .runtime.fedml_backend import run_fedml
+
+        result = run_fedml(cfg, rank=args.rank, role=args.role, run_dir=run_dir, resume=resume)
+        if result is None:  # a client process: the server prints the results
+            return 0
+        print(format_results_table(cfg, [result]))
+        print(f"outputs: {result.run_dir}")
+        return 0
+    result = run_local(cfg, run_dir=run_dir, resume=resume)
+    results = [result]
+    if not args.no_compare:
+        for name in cfg.common_args.compare_with:
+            if name == cfg.algorithm:
+                continue
+            sub_cfg = cfg.with_algorithm(name, run_name=f"{result.run_dir.name}/compare/{name}")
+            sub_cfg.common_args.output_dir = str(result.run_dir.parent)
+            sub_dir = result.run_dir / "compare" / name
+            results.insert(0, run_local(sub_cfg, run_dir=sub_dir, resume=resume and sub_dir.exists()))
+    print(format_results_table(cfg, results))
+    print(f"outputs: {result.run_dir}")
+    return 0
+
+
+def format_results_table(cfg: ExperimentConfig, results: list) -> str:
+    """The closing table: one row per method, all from the same data split."""
+    d = cfg.data_args
+    head = (
+        f"\n{d.dataset}, {d.num_server_labels} server labels, {cfg.train_args.client_num_in_total} clients, "
+        f"{cfg.train_args.comm_round} rounds, seed {cfg.common_args.random_seed} (same split for every row)"
+    )
+    lines = [head, f"{'method':<16}{'final acc':>10}{'best acc':>10}{'MiB up/round':>14}{'s/round':>9}"]
+    for r in results:
+        s = r.summary
+        lines.append(
+            f"{r.algorithm:<16}{100 * r.final_acc:>9.2f}%{100 * r.best_acc:>9.2f}%"
+            f"{s.get('bytes_up_per_round', 0) / 2**20:>14.2f}{s.get('seconds_per_round', 0):>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    from .data.report import partition_report, save_partition_heatmap
+    from .experiment import load_experiment_dataset, make_split
+
+    cfg = load_config(_config_path(args), args.overrides)
+    dataset = load_experiment_dataset(cfg)
+    split = make_split(cfg, dataset)
+    print(partition_report(split, dataset.train_labels, dataset.class_names))
+    out = Path(args.out) if args.out else cfg.run_dir() / "partition.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_partition_heatmap(
+        split, dataset.train_labels, out, title=f"{cfg.data_args.dataset} {cfg.data_args.partition_method}"
+    )
+    print(f"heat-map: {out}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "partition": cmd_partition}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    from .checkpoint import CheckpointError
+    from .runtime.local import RunFailed
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, CheckpointError, RunFailed, FileNotFoundError) as exc:
+        print(f"fedml-ssfl {args.command}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

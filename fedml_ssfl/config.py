@@ -1,0 +1,439 @@
+"""Experiment configuration: one YAML in FedML's sectioned format, validated into dataclasses.
+
+The same file drives the local simulator and FedML (which flattens the sections into ``args``
+and silently ignores keys it does not know). Here every key is checked before anything runs:
+
+* an unknown key is an error naming the key and the closest valid one;
+* a wrong type or a value out of range names the key and what is allowed;
+* impossible combinations (C_k > K, S > C_k, ...) name both keys and the fix.
+
+``ssfl_args`` holds ``algorithm`` plus that algorithm's own hyper-parameters, validated
+against the algorithm's config dataclass from the registry (see :func:`validate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key and the fix."""
+
+
+@dataclass
+class CommonArgs:
+    """``common_args``: what kind of run, its seed and where outputs go."""
+
+    training_type: str = "simulation"  # simulation (local runtime) | cross_silo (FedML)
+    random_seed: int = 0
+    run_name: str = "mnist5k_fedavg_ssl"
+    output_dir: str = "runs"
+    compare_with: list[str] = field(default_factory=lambda: ["server_only"])
+    scenario: str = "horizontal"  # FedML's key; only horizontal is supported
+    config_version: str = "release"  # FedML's key
+
+
+@dataclass
+class DataArgs:
+    """``data_args``: dataset, partition and label scenario (Zhang et al.'s R, N_s)."""
+
+    dataset: str = "mnist5k"
+    data_cache_dir: str = "~/.cache/fedml_ssfl/data"
+    download: bool = False
+    label_scenario: str = "server"  # server (labels-at-server) | client (labels-at-client)
+    num_server_labels: int = 50  # N_s
+    num_server_val: int = 0
+    partition_method: str = "iid"  # iid | r | dirichlet | shards
+    non_iid_r: float = 0.4  # R (Zhang et al. Eq. 1) for partition_method r
+    partition_alpha: float = 0.5  # Dirichlet concentration
+    classes_per_client: int = 2  # shards
+    labels_per_class_client: int = 5  # labels-at-client
+    synthetic_num_samples: int = 2000
+    synthetic_num_classes: int = 10
+    synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
+
+
+@dataclass
+class ModelArgs:
+    """``model_args``: a model from the registry and its normalisation layer."""
+
+    model: str = "cnn28"
+    norm: str = "gn"  # bn | gn | none (what the model supports)
+
+
+@dataclass
+class TrainArgs:
+    """``train_args``: federation size and optimisation (Zhang et al.'s K, C_k, T, Eq. 9)."""
+
+    federated_optimizer: str = "FedAvg"  # FedML's key; the algorithm is ssfl_args.algorithm
+    client_num_in_total: int = 10  # K
+    client_num_per_round: int = 10  # C_k
+    comm_round: int = 30
+    local_steps: int = 16  # T
+    batch_size: int = 64
+    learning_rate: float = 0.03
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    lr_schedule: str = "cosine"  # cosine (Eq. 9) | constant
+    lr_cosine_c: float = 0.4375  # c in Eq. 9
+    lr_warmup_rounds: int = 0  # e in Eq. 9, in rounds
+    lr_floor: float = 1e-4  # epsilon in Eq. 9
+    client_optimizer: str = "sgd"  # FedML's key; SGD with momentum is what the papers use
+
+
+@dataclass
+class ValidationArgs:
+    """``validation_args``: how often to evaluate on the test set."""
+
+    frequency_of_the_test: int = 1
+    eval_batch_size: int = 1000
+
+
+@dataclass
+class DeviceArgs:
+    """``device_args``: where to train."""
+
+    device: str = "cpu"  # cpu | cuda
+    using_gpu: bool = False  # FedML's key; set from device
+    gpu_id: int = 0
+    gpu_mapping_file: str = ""
+    gpu_mapping_key: str = ""
+    num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
+
+
+@dataclass
+class CommArgs:
+    """``comm_args``: which runtime and transport."""
+
+    backend: str = "local"  # local | MPI | GRPC
+    grpc_ipconfig_path: str = ""
+
+
+@dataclass
+class TrackingArgs:
+    """``tracking_args``: logs, checkpoints, plots."""
+
+    enable_tensorboard: bool = True
+    checkpoint_every: int = 5
+    progress_bar: bool = True
+    enable_wandb: bool = False  # FedML's key; must stay false (offline)
+    using_mlops: bool = False  # FedML's key; must stay false (offline)
+    log_file_dir: str = ""
+
+
+SECTIONS: dict[str, type] = {
+    "common_args": CommonArgs,
+    "data_args": DataArgs,
+    "model_args": ModelArgs,
+    "train_args": TrainArgs,
+    "validation_args": ValidationArgs,
+    "device_args": DeviceArgs,
+    "comm_args": CommArgs,
+    "tracking_args": TrackingArgs,
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "common_args.training_type": ("simulation", "cross_silo"),
+    "common_args.scenario": ("horizontal",),
+    "data_args.label_scenario": ("server", "client"),
+    "data_args.partition_method": ("iid", "r", "dirichlet", "shards"),
+    "model_args.norm": ("bn", "gn", "none"),
+    "train_args.lr_schedule": ("cosine", "constant"),
+    "train_args.client_optimizer": ("sgd",),
+    "device_args.device": ("cpu", "cuda"),
+    "comm_args.backend": ("local", "MPI", "GRPC"),
+}
+
+# (key, lower bound, upper bound or None, inclusive lower)
+RANGES: list[tuple[str, float, float | None, bool]] = [
+    ("data_args.num_server_labels", 0, None, True),
+    ("data_args.num_server_val", 0, None, True),
+    ("data_args.non_iid_r", 0.0, 1.0, True),
+    ("data_args.partition_alpha", 0.0, None, False),
+    ("data_args.classes_per_client", 1, None, True),
+    ("data_args.labels_per_class_client", 0, None, True),
+    ("data_args.synthetic_num_samples", 1, None, True),
+    ("data_args.synthetic_num_classes", 2, None, True),
+    ("train_args.client_num_in_total", 1, None, True),
+    ("train_args.client_num_per_round", 1, None, True),
+    ("train_args.comm_round", 1, None, True),
+    ("train_args.local_steps", 1, None, True),
+    ("train_args.batch_size", 1, None, True),
+    ("train_args.learning_rate", 0.0, None, False),
+    ("train_args.momentum", 0.0, 1.0, True),
+    ("train_args.weight_decay", 0.0, None, True),
+    ("train_args.lr_cosine_c", 0.0, None, False),
+    ("train_args.lr_warmup_rounds", 0, None, True),
+    ("train_args.lr_floor", 0.0, 1.0, True),
+    ("validation_args.frequency_of_the_test", 1, None, True),
+    ("validation_args.eval_batch_size", 1, None, True),
+    ("tracking_args.checkpoint_every", 1, None, True),
+    ("device_args.num_threads", 0, None, True),
+]
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole validated experiment: FedML's sections plus the algorithm's own config."""
+
+    common_args: CommonArgs = field(default_factory=CommonArgs)
+    data_args: DataArgs = field(default_factory=DataArgs)
+    model_args: ModelArgs = field(default_factory=ModelArgs)
+    train_args: TrainArgs = field(default_factory=TrainArgs)
+    validation_args: ValidationArgs = field(default_factory=ValidationArgs)
+    device_args: DeviceArgs = field(default_factory=DeviceArgs)
+    comm_args: CommArgs = field(default_factory=CommArgs)
+    tracking_args: TrackingArgs = field(default_factory=TrackingArgs)
+    algorithm: str = "fedavg_ssl"
+    ssfl_args: Any = None  # the algorithm's config dataclass instance
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain YAML-able data, in FedML's sectioned layout."""
+        out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        algo = dataclasses.asdict(self.ssfl_args) if dataclasses.is_dataclass(self.ssfl_args) else {}
+        out["ssfl_args"] = {"algorithm": self.algorithm, **algo}
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(
+        self, exclude: tuple[str, ...] = ("common_args.run_name", "common_args.output_dir")
+    ) -> str:
+        """A hash of everything that changes the result (output locations excluded)."""
+        data = self.to_dict()
+        for dotted in exclude:
+            section, key = dotted.split(".")
+            data.get(section, {}).pop(key, None)
+        data.get("tracking_args", {}).pop("progress_bar", None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def run_dir(self) -> Path:
+        return Path(self.common_args.output_dir).expanduser() / self.common_args.run_name
+
+    def with_algorithm(self, name: str, run_name: str | None = None) -> ExperimentConfig:
+        """A copy running algorithm ``name`` with its defaults (same data, model, seed)."""
+        raw = self.to_dict()
+        raw["ssfl_args"] = {"algorithm": name}
+        raw["common_args"]["compare_with"] = []
+        if run_name is not None:
+            raw["common_args"]["run_name"] = run_name
+        return validate(raw)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _closest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce_value(where: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce_value(where, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: {value!r} is not any of {' | '.join(_type_name(a) for a in args)}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [coerce_value(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def build_dataclass(cls: type, raw: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from ``raw``, refusing unknown keys and wrong types."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"unknown key '{where}.{key}'{_closest(str(key), names)}")
+        kwargs[key] = coerce_value(f"{where}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _check_ranges(cfg: ExperimentConfig) -> None:
+    for dotted, allowed in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(f"{dotted}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
+    for dotted, lo, hi, inclusive in RANGES:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        low_ok = value >= lo if inclusive else value > lo
+        high_ok = hi is None or value <= hi
+        if not (low_ok and high_ok):
+            bound = f"{'>=' if inclusive else '>'} {lo}" + (f" and <= {hi}" if hi is not None else "")
+            raise ConfigError(f"{dotted}: {value!r} is out of range; it must be {bound}")
+    t = cfg.train_args
+    if t.client_num_per_round > t.client_num_in_total:
+        raise ConfigError(
+            f"train_args.client_num_per_round (C_k={t.client_num_per_round}) is larger than "
+            f"train_args.client_num_in_total (K={t.client_num_in_total}); set C_k <= K"
+        )
+    backend, kind = cfg.comm_args.backend, cfg.common_args.training_type
+    if (backend == "local") != (kind == "simulation"):
+        raise ConfigError(
+            f"comm_args.backend '{backend}' does not go with common_args.training_type '{kind}': use backend local "
+            "with training_type simulation (the in-process simulator), or backend MPI / GRPC with cross_silo (FedML)"
+        )
+    if cfg.tracking_args.enable_wandb or cfg.tracking_args.using_mlops:
+        raise ConfigError(
+            "tracking_args.enable_wandb / using_mlops must be false: fedml_ssfl runs offline and logs to "
+            "TensorBoard and metrics.jsonl instead"
+        )
+    if len(cfg.data_args.synthetic_shape) != 3:
+        raise ConfigError("data_args.synthetic_shape: expected [channels, height, width]")
+
+
+def validate(raw: dict[str, Any]) -> ExperimentConfig:
+    """Validate a raw (YAML-loaded) mapping into an :class:`ExperimentConfig`.
+
+    Raises
+    ------
+    ConfigError
+        Naming the offending key and the fix.
+    """
+    from .algorithms import registry  # late: algorithms import torch-heavy modules
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    valid_sections = [*SECTIONS, "ssfl_args"]
+    kwargs: dict[str, Any] = {}
+    for section, value in raw.items():
+        if section not in valid_sections:
+            raise ConfigError(f"unknown section '{section}'{_closest(str(section), valid_sections)}")
+        if section in SECTIONS:
+            kwargs[section] = build_dataclass(SECTIONS[section], value, section)
+    ssfl = dict(raw.get("ssfl_args") or {})
+    if not isinstance(raw.get("ssfl_args") or {}, dict):
+        raise ConfigError("ssfl_args: expected a mapping with at least 'algorithm'")
+    algorithm = ssfl.pop("algorithm", ExperimentConfig.algorithm)
+    if not isinstance(algorithm, str):
+        raise ConfigError(f"ssfl_args.algorithm: expected a string, got {algorithm!r}")
+    algo_cls = registry.get_algorithm(algorithm)
+    algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
+    cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
+    cfg.device_args.using_gpu = cfg.device_args.device == "cuda"
+    _check_ranges(cfg)
+    if cfg.data_args.label_scenario not in algo_cls.label_scenarios:
+        raise ConfigError(
+            f"data_args.label_scenario: algorithm '{algorithm}' supports "
+            f"{' | '.join(algo_cls.label_scenarios)}, not '{cfg.data_args.label_scenario}'"
+        )
+    for name in cfg.common_args.compare_with:
+        registry.get_algorithm(name)
+    check = getattr(algo_cfg, "check", None)
+    if callable(check):
+        check(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# files and overrides
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse ``section.key=value`` (value read as YAML) into its three parts."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train_args.comm_round=5")
+    dotted, value = text.split("=", 1)
+    section, key = dotted.split(".", 1)
+    return section.strip(), key.strip(), yaml.safe_load(value) if value.strip() else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--set section.key=value`` overrides to a raw config mapping (a copy)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        out.setdefault(section, {})
+        if not isinstance(out[section], dict):
+            raise ConfigError(f"--set {text!r}: section '{section}' is not a mapping")
+        out[section][key] = value
+    return out
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file, with clear errors for a missing or malformed file."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(
+            f"config file not found: {p} (pass an existing YAML with --cf, or no --cf for the default)"
+        )
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load, override and validate a config; ``path=None`` gives the default main job."""
+    raw = load_raw(path) if path is not None else {}
+    return validate(apply_overrides(raw, overrides or []))
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:
+    """Write the resolved config as YAML."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(cfg.to_yaml(), encoding="utf-8")
+    return p

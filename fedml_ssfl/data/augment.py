@@ -1,0 +1,450 @@
+"""Batched image augmentation on CPU or GPU: weak (flip + pad-and-crop shift) and strong (RandAugment).
+
+Inputs are float tensors ``(N, C, H, W)`` in ``[0, 1]`` (see :func:`to_float`), with 1 or 3
+channels. Every sample draws its own random operations and parameters. All random numbers are
+drawn on the CPU from the ``torch.Generator`` passed in, then moved to the input's device, so the
+same generator state gives the same output on any device (up to floating-point differences of
+the device's kernels).
+
+Strong augmentation follows FixMatch's RandAugmentMC: weak augmentation, then ``num_ops`` ops per
+sample from :data:`OP_NAMES`, each with its own magnitude uniform in ``[1, magnitude]`` (out of
+10), then cutout filled with 0.5 grey.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+OP_NAMES: tuple[str, ...] = (
+    "Identity", "AutoContrast", "Brightness", "Color", "Contrast", "Equalize", "Posterize",
+    "Rotate", "Sharpness", "ShearX", "ShearY", "Solarize", "TranslateX", "TranslateY",
+)
+"""RandAugment operations; an op id is an index into this tuple."""
+
+_MAX_LEVEL = 10.0
+_MAX_ROTATE_DEG = 30.0
+_MAX_SHEAR = 0.3
+_MAX_TRANSLATE = 0.3  # fraction of the image size
+_MAX_ENHANCE = 0.9  # enhancement factor in [0.1, 1.9]
+_GREY = 0.5
+
+
+def to_float(x: torch.Tensor) -> torch.Tensor:
+    """uint8 images to float32 in ``[0, 1]``; floating-point input passes through unchanged.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        uint8 or floating-point images.
+
+    Returns
+    -------
+    torch.Tensor
+        Floating-point images.
+    """
+    if x.is_floating_point():
+        return x
+    if x.dtype != torch.uint8:
+        raise TypeError(f"to_float expects uint8 or floating-point images, got {x.dtype}")
+    return x.to(torch.float32).div_(255.0)
+
+
+def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """Per-channel ``(x - mean) / std``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Float images ``(N, C, H, W)``.
+    mean, std : sequence of float
+        One value per channel.
+
+    Returns
+    -------
+    torch.Tensor
+        Normalised images (a new tensor).
+    """
+    m = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    s = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    return (x - m) / s
+
+
+# --------------------------------------------------------------------------------------------
+# weak augmentation
+# --------------------------------------------------------------------------------------------
+
+
+def random_flip(x: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+    """Mirror horizontally the samples where the boolean ``flips`` (N,) is True."""
+    return torch.where(flips.to(x.device).view(-1, 1, 1, 1), x.flip(-1), x)
+
+
+def shift_crop(x: torch.Tensor, pad: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Reflect-pad by ``pad`` and crop each sample back to ``H x W`` at its own offset.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(N, C, H, W)``.
+    pad : int
+        Padding on each side.
+    offsets : torch.Tensor
+        int64 ``(N, 2)``: the (row, column) of each crop's top-left corner in the padded image,
+        each in ``[0, 2 pad]``.
+
+    Returns
+    -------
+    torch.Tensor
+        The cropped batch; ``offsets == pad`` returns the input.
+    """
+    if pad == 0:
+        return x
+    n, _, h, w = x.shape
+    mode = "reflect" if pad < min(h, w) else "replicate"
+    padded = F.pad(x, (pad, pad, pad, pad), mode=mode)
+    offsets = offsets.to(x.device)
+    rows = offsets[:, 0:1] + torch.arange(h, device=x.device)  # (N, H)
+    cols = offsets[:, 1:2] + torch.arange(w, device=x.device)  # (N, W)
+    batch = torch.arange(n, device=x.device).view(n, 1, 1)
+    out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # (N, H, W, C)
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+def weak_augment(x: torch.Tensor, generator: torch.Generator, *, flip: bool, pad: int | None = None) -> torch.Tensor:
+    """Weak augmentation alpha(): random horizontal flip then a random pad-and-crop shift.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Float images ``(N, C, H, W)`` in ``[0, 1]``, on any device.
+    generator : torch.Generator
+        CPU generator all random draws come from.
+    flip : bool
+        Flip each sample with probability 0.5 (use False for digits and letters).
+    pad : int, optional
+        Shift range in pixels; default ``H // 8`` (4 at 32x32, 3 at 28x28). Reflect padding.
+
+    Returns
+    -------
+    torch.Tensor
+        Augmented images, same shape and device.
+    """
+    n, _, h, _ = x.shape
+    pad = h // 8 if pad is None else int(pad)
+    flips = torch.rand(n, generator=generator) < 0.5  # drawn always: flip=False keeps the stream aligned
+    offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=generator)
+    if flip:
+        x = random_flip(x, flips)
+    return shift_crop(x, pad, offsets)
+
+
+# --------------------------------------------------------------------------------------------
+# RandAugment operations: f(x_subset, level (M,), sign (M,)) with level in [0.1, 1], sign +-1
+# --------------------------------------------------------------------------------------------
+
+
+def _per_sample(v: torch.Tensor) -> torch.Tensor:
+    return v.view(-1, 1, 1, 1)
+
+
+def _grey(x: torch.Tensor) -> torch.Tensor:
+    """Luminance ``(M, 1, H, W)`` (ITU-R 601 weights for RGB; the image itself for 1 channel)."""
+    if x.shape[1] == 1:
+        return x
+    w = torch.tensor([0.299, 0.587, 0.114], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x * w).sum(dim=1, keepdim=True)
+
+
+def _blend(x: torch.Tensor, base: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """PIL ImageEnhance: ``base + factor (x - base)``."""
+    return base + _per_sample(factor) * (x - base)
+
+
+def _enhance_factor(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    return 1.0 + sign * _MAX_ENHANCE * level
+
+
+def _identity(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _autocontrast(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    lo = x.amin(dim=(2, 3), keepdim=True)
+    hi = x.amax(dim=(2, 3), keepdim=True)
+    span = hi - lo
+    stretched = (x - lo) / span.clamp_min(1e-6)
+    return torch.where(span > 1e-6, stretched, x)
+
+
+def _brightness(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    return _blend(x, torch.zeros_like(x), _enhance_factor(level, sign))
+
+
+def _color(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    return _blend(x, _grey(x), _enhance_factor(level, sign))
+
+
+def _contrast(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
+    return _blend(x, mean, _enhance_factor(level, sign))
+
+
+def _equalize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """Histogram equalisation per sample and channel on 256 bins.
+
+    Approximation of PIL's ``ImageOps.equalize``: the lookup table is the plain normalised CDF
+    ``(cdf - cdf_min) / (total - cdf_min)`` rather than PIL's step-based table.
+    """
+    m, c, h, w = x.shape
+    q = (x * 255.0).round().long().clamp_(0, 255).view(m * c, h * w)
+    hist = torch.zeros(m * c, 256, dtype=x.dtype, device=x.device).scatter_add_(1, q, torch.ones_like(q, dtype=x.dtype))
+    cdf = hist.cumsum(dim=1)
+    cdf_min = torch.where(hist > 0, cdf, torch.full_like(cdf, float(h * w))).amin(dim=1, keepdim=True)
+    denom = (h * w - cdf_min).clamp_min(1.0)
+    lut = ((cdf - cdf_min) / denom).clamp_(0.0, 1.0)
+    out = torch.gather(lut, 1, q).view(m, c, h, w)
+    flat = (h * w - cdf_min).view(m, c, 1, 1) <= 0  # single-valued channel: leave as is
+    return torch.where(flat, x, out)
+
+
+def _posterize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    bits = 8 - torch.round(level * 4.0).long()  # 8 (no change) .. 4 bits
+    shift = _per_sample(8 - bits)
+    q = (x * 255.0).round().long()
+    return ((q >> shift) << shift).to(x.dtype) / 255.0
+
+
+def _solarize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    threshold = _per_sample(1.0 - level)
+    return torch.where(x >= threshold, 1.0 - x, x)
+
+
+def _sharpness(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """PIL's SMOOTH kernel (1 1 1 / 1 5 1 / 1 1 1) / 13 as the blurred base; borders unchanged."""
+    c = x.shape[1]
+    k = torch.ones(3, 3, dtype=x.dtype, device=x.device)
+    k[1, 1] = 5.0
+    k = (k / 13.0).expand(c, 1, 3, 3)
+    blurred = x.clone()
+    blurred[:, :, 1:-1, 1:-1] = F.conv2d(x, k, groups=c)
+    return _blend(x, blurred, _enhance_factor(level, sign))
+
+
+def _affine(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Warp by per-sample 2x3 matrices (output -> input, normalised coords); outside is 0.5 grey."""
+    grid = F.affine_grid(theta.to(x.device, x.dtype), list(x.shape), align_corners=False)
+    return F.grid_sample(x - _GREY, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + _GREY
+
+
+def _eye(m: int) -> torch.Tensor:
+    return torch.eye(2, 3).repeat(m, 1, 1)
+
+
+def _rotate(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    angle = torch.deg2rad(sign * _MAX_ROTATE_DEG * level)
+    theta = _eye(len(level))
+    theta[:, 0, 0], theta[:, 0, 1] = torch.cos(angle), -torch.sin(angle)
+    theta[:, 1, 0], theta[:, 1, 1] = torch.sin(angle), torch.cos(angle)
+    return _affine(x, theta)
+
+
+def _shear_x(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 0, 1] = sign * _MAX_SHEAR * level
+    return _affine(x, theta)
+
+
+def _shear_y(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 1, 0] = sign * _MAX_SHEAR * level
+    return _affine(x, theta)
+
+
+def _translate_x(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 0, 2] = 2.0 * sign * _MAX_TRANSLATE * level
+    return _affine(x, theta)
+
+
+def _translate_y(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 1, 2] = 2.0 * sign * _MAX_TRANSLATE * level
+    return _affine(x, theta)
+
+
+_Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_OPS: dict[str, _Op] = {
+    "Identity": _identity, "AutoContrast": _autocontrast, "Brightness": _brightness, "Color": _color,
+    "Contrast": _contrast, "Equalize": _equalize, "Posterize": _posterize, "Rotate": _rotate,
+    "Sharpness": _sharpness, "ShearX": _shear_x, "ShearY": _shear_y, "Solarize": _solarize,
+    "TranslateX": _translate_x, "TranslateY": _translate_y,
+}
+
+# geometric ops take their parameters on the CPU (they build matrices there); the rest on x's device
+_GEOMETRIC = {"Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY"}
+
+
+def apply_op(x: torch.Tensor, op_id: int, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """Apply RandAugment op ``OP_NAMES[op_id]`` to every sample of ``x``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Float images ``(M, C, H, W)`` in ``[0, 1]``.
+    op_id : int
+        Index into :data:`OP_NAMES`.
+    level : torch.Tensor
+        ``(M,)`` magnitudes as fractions of the maximum, in ``(0, 1]``.
+    sign : torch.Tensor
+        ``(M,)`` of +1 / -1: the direction of rotations, shears, translations and enhancements.
+
+    Returns
+    -------
+    torch.Tensor
+        The transformed images, clipped to ``[0, 1]``.
+    """
+    name = OP_NAMES[op_id]
+    if name not in _GEOMETRIC:
+        level, sign = level.to(x.device, x.dtype), sign.to(x.device, x.dtype)
+    return _OPS[name](x, level, sign).clamp_(0.0, 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# strong augmentation
+# --------------------------------------------------------------------------------------------
+
+
+def sample_ops(n: int, generator: torch.Generator, num_ops: int = 2,
+               magnitude: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw each sample's RandAugment ops and their parameters (on the CPU).
+
+    Parameters
+    ----------
+    n : int
+        Batch size.
+    generator : torch.Generator
+        CPU generator.
+    num_ops : int
+        Ops per sample.
+    magnitude : int
+        Maximum magnitude out of 10; each op's magnitude is uniform in ``[1, magnitude]``.
+
+    Returns
+    -------
+    ops : torch.Tensor
+        int64 ``(n, num_ops)`` indices into :data:`OP_NAMES`.
+    levels : torch.Tensor
+        float32 ``(n, num_ops)``: magnitude / 10.
+    signs : torch.Tensor
+        float32 ``(n, num_ops)`` of +1 / -1.
+    """
+    ops = torch.randint(0, len(OP_NAMES), (n, num_ops), generator=generator)
+    mags = 1.0 + torch.rand(n, num_ops, generator=generator) * (max(float(magnitude), 1.0) - 1.0)
+    signs = torch.where(torch.rand(n, num_ops, generator=generator) < 0.5, -1.0, 1.0)
+    return ops, mags / _MAX_LEVEL, signs
+
+
+def apply_cutout(x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fill: float = _GREY) -> torch.Tensor:
+    """Fill one square per sample with ``fill``, clipped at the image border.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(N, C, H, W)``.
+    sides : torch.Tensor
+        int64 ``(N,)`` square sides in pixels (0: no cutout).
+    centres : torch.Tensor
+        int64 ``(N, 2)`` (row, column) centres.
+    fill : float
+        Fill value.
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor with the squares filled.
+    """
+    _, _, h, w = x.shape
+    sides, centres = sides.to(x.device), centres.to(x.device)
+    top = centres[:, 0] - sides // 2
+    left = centres[:, 1] - sides // 2
+    rows = torch.arange(h, device=x.device).view(1, h)
+    cols = torch.arange(w, device=x.device).view(1, w)
+    in_rows = (rows >= top[:, None]) & (rows < (top + sides)[:, None])  # (N, H)
+    in_cols = (cols >= left[:, None]) & (cols < (left + sides)[:, None])  # (N, W)
+    mask = (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)  # (N, 1, H, W)
+    return x.masked_fill(mask, fill)
+
+
+def _sample_cutout(n: int, h: int, w: int, size: float,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cutout sides uniform in ``[1, size * H]`` and uniform centres (all drawn on the CPU)."""
+    max_side = size * h
+    sides = (1.0 + torch.rand(n, generator=generator) * max(max_side - 1.0, 0.0)).round().long()
+    if size <= 0:
+        sides = torch.zeros(n, dtype=torch.long)
+    centres = torch.stack([torch.randint(0, h, (n,), generator=generator),
+                           torch.randint(0, w, (n,), generator=generator)], dim=1)
+    return sides, centres
+
+
+def strong_augment(
+    x: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    flip: bool,
+    num_ops: int = 2,
+    magnitude: int = 10,
+    cutout: float = 0.5,
+    pad: int | None = None,
+    return_ops: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Strong augmentation A(): weak augmentation, RandAugment, then cutout (FixMatch's RandAugmentMC).
+
+    Each sample draws ``num_ops`` ops from :data:`OP_NAMES` (with replacement), each with its own
+    magnitude uniform in ``[1, magnitude]`` out of 10 and a random direction; the batch is processed
+    op type by op type, each op applied at once to the samples that drew it. Then a grey (0.5)
+    square of side uniform in ``[1, cutout * H]`` is cut out at a uniform random centre.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Float images ``(N, C, H, W)`` in ``[0, 1]``, C = 1 or 3, on any device.
+    generator : torch.Generator
+        CPU generator all random draws come from.
+    flip : bool
+        Random horizontal flips in the weak stage.
+    num_ops : int
+        RandAugment N (ops per sample).
+    magnitude : int
+        RandAugment M (maximum magnitude, out of 10).
+    cutout : float
+        Maximum cutout side as a fraction of H; 0 disables cutout.
+    pad : int, optional
+        Shift range of the weak stage (default ``H // 8``).
+    return_ops : bool
+        Also return the op ids each sample drew.
+
+    Returns
+    -------
+    torch.Tensor or (torch.Tensor, torch.Tensor)
+        Augmented images in ``[0, 1]``; with ``return_ops``, also int64 ``(N, num_ops)`` op ids.
+    """
+    n, _, h, w = x.shape
+    x = weak_augment(x, generator, flip=flip, pad=pad)
+    ops, levels, signs = sample_ops(n, generator, num_ops, magnitude)
+    sides, centres = _sample_cutout(n, h, w, cutout, generator)
+    x = x.clone()
+    for slot in range(num_ops):
+        for op_id in torch.unique(ops[:, slot]).tolist():
+            sel = ops[:, slot] == op_id
+            if OP_NAMES[op_id] == "Identity":
+                continue
+            dev_sel = sel.to(x.device)
+            x[dev_sel] = apply_op(x[dev_sel], op_id, levels[sel, slot], signs[sel, slot])
+    out = apply_cutout(x, sides, centres).clamp_(0.0, 1.0)
+    return (out, ops) if return_ops else out
+

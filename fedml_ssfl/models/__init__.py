@@ -1,0 +1,39 @@
+"""Model layer: a registry of image classifiers built by name.
+
+Importing this package registers every model (``resnet18``, ``cnn28``, ``emnist_cnn``).
+
+>>> from fedml_ssfl.models import available_models, build_model
+>>> available_models()
+['cnn28', 'emnist_cnn', 'resnet18']
+>>> net = build_model("resnet18", num_classes=10, in_channels=3, image_size=32, norm="gn")
+
+Every model takes normalised float images (N, C, H, W), returns logits (N, num_classes),
+and has its classifier layer at ``model.fc`` (see :func:`classifier_prefix`).
+"""
+
+from __future__ import annotations
+
+from . import cnn, resnet  # noqa: F401  (imported for their @register_model side effects)
+from . import wrn  # noqa: F401
+from .norm import NORM_KINDS, make_norm
+from .registry import (
+    ModelSpec,
+    available_models,
+    build_model,
+    classifier_prefix,
+    count_parameters,
+    model_spec,
+    register_model,
+)
+
+__all__ = [
+    "NORM_KINDS",
+    "ModelSpec",
+    "available_models",
+    "build_model",
+    "classifier_prefix",
+    "count_parameters",
+    "make_norm",
+    "model_spec",
+    "register_model",
+]

@@ -1,0 +1,1 @@
+"""Runtimes drive algorithms: ``local`` (in-process simulator) and ``fedml_backend`` (FedML)."""

@@ -1,0 +1,113 @@
+"""Batched weak and strong augmentation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedml_ssfl.data import normalize, strong_augment, to_float, weak_augment
+from fedml_ssfl.data.augment import OP_NAMES, apply_op
+from fedml_ssfl.seeding import generator
+
+
+def batch(n: int, c: int, size: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, c, size, size, generator=g)
+
+
+def test_to_float_and_normalize() -> None:
+    x = torch.tensor([0, 51, 255], dtype=torch.uint8).view(1, 1, 1, 3)
+    f = to_float(x)
+    assert f.dtype == torch.float32 and f.flatten().tolist() == pytest.approx([0.0, 0.2, 1.0])
+    assert to_float(f) is f
+    y = normalize(torch.ones(2, 3, 4, 4) * 0.5, (0.5, 0.25, 0.0), (0.5, 0.25, 1.0))
+    assert y[:, 0].eq(0).all() and y[:, 1].eq(1).all() and y[:, 2].eq(0.5).all()
+
+
+def test_weak_is_a_pure_shift() -> None:
+    x = torch.arange(2 * 8 * 8, dtype=torch.float32).view(1, 2, 8, 8).div(128).repeat(16, 1, 1, 1)
+    pad = 2
+    out = weak_augment(x, generator(0, "weak"), flip=False, pad=pad)
+    padded = F.pad(x[:1], (pad, pad, pad, pad), mode="reflect")[0]
+    crops = {(i, j): padded[:, i:i + 8, j:j + 8] for i in range(2 * pad + 1) for j in range(2 * pad + 1)}
+    offsets = set()
+    for sample in out:
+        match = [k for k, crop in crops.items() if torch.equal(sample, crop)]
+        assert len(match) == 1
+        offsets.add(match[0])
+    assert len(offsets) > 3  # samples draw their own shifts
+
+
+def test_weak_flip_false_never_flips() -> None:
+    # pad 0: only flips could change the image
+    x = batch(64, 3, 8)
+    assert torch.equal(weak_augment(x, generator(1, "w"), flip=False, pad=0), x)
+    flipped = weak_augment(x, generator(1, "w"), flip=True, pad=0)
+    is_flipped = torch.stack([torch.equal(a, b.flip(-1)) for a, b in zip(flipped, x)])
+    unchanged = torch.stack([torch.equal(a, b) for a, b in zip(flipped, x)])
+    assert (is_flipped | unchanged).all() and is_flipped.any() and unchanged.any()
+
+
+def test_weak_default_pad_shapes() -> None:
+    for shape in ((5, 1, 28, 28), (5, 3, 32, 32)):
+        out = weak_augment(torch.rand(shape), generator(0), flip=True)
+        assert out.shape == shape and out.min() >= 0 and out.max() <= 1
+
+
+@pytest.mark.parametrize("shape", [(32, 1, 28, 28), (32, 3, 32, 32)])
+def test_strong_shapes_range_determinism(shape: tuple[int, int, int, int]) -> None:
+    x = torch.rand(shape)
+    a, ops_a = strong_augment(x, generator(5, "s"), flip=True, return_ops=True)
+    b, ops_b = strong_augment(x, generator(5, "s"), flip=True, return_ops=True)
+    c = strong_augment(x, generator(6, "s"), flip=True)
+    assert a.shape == shape and a.dtype == torch.float32
+    assert a.min() >= 0 and a.max() <= 1
+    assert torch.equal(a, b) and torch.equal(ops_a, ops_b)
+    assert not torch.equal(a, c)
+    assert ops_a.shape == (shape[0], 2) and ops_a.dtype == torch.int64
+
+
+def test_strong_per_sample_ops() -> None:
+    x = batch(1, 3, 32).repeat(48, 1, 1, 1)
+    out, ops = strong_augment(x, generator(2, "s"), flip=False, return_ops=True)
+    assert len({tuple(r) for r in ops.tolist()}) > 10
+    assert 0 <= int(ops.min()) and int(ops.max()) < len(OP_NAMES)
+    distinct = torch.unique(out.flatten(1), dim=0)
+    assert len(distinct) > 40
+
+
+def test_strong_uint8_input_via_to_float_and_no_cutout() -> None:
+    x = (batch(8, 1, 28) * 255).to(torch.uint8)
+    out = strong_augment(to_float(x), generator(0), flip=False, cutout=0.0, num_ops=1, magnitude=5)
+    assert out.shape == (8, 1, 28, 28) and 0 <= out.min() and out.max() <= 1
+
+
+@pytest.mark.parametrize("op_id", range(len(OP_NAMES)))
+@pytest.mark.parametrize("channels", [1, 3])
+def test_every_op_runs(op_id: int, channels: int) -> None:
+    x = batch(4, channels, 16, seed=op_id)
+    level = torch.tensor([0.1, 0.5, 0.9, 1.0])
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    out = apply_op(x.clone(), op_id, level, sign)
+    assert out.shape == x.shape and out.min() >= 0 and out.max() <= 1
+    if OP_NAMES[op_id] not in ("Identity", "Color") or channels == 3:
+        if OP_NAMES[op_id] == "Identity":
+            assert torch.equal(out, x)
+        else:
+            assert not torch.allclose(out, x)
+
+
+def test_cutout_fills_grey() -> None:
+    x = torch.zeros(16, 1, 32, 32)
+    out = strong_augment(x, generator(3), flip=False, num_ops=0, cutout=0.5)
+    grey = (out == 0.5).flatten(1).sum(1)
+    assert (grey > 0).all() and (grey <= 16 * 16).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_matches_cpu() -> None:
+    x = torch.rand(64, 3, 32, 32)
+    cpu = strong_augment(x, generator(1), flip=True)
+    gpu = strong_augment(x.cuda(), generator(1), flip=True)
+    assert gpu.is_cuda and torch.allclose(gpu.cpu(), cpu, atol=1e-3)

@@ -1,0 +1,46 @@
+"""The command line: run with a comparison table, partition report, clear config errors."""
+
+from __future__ import annotations
+
+from fedml_ssfl.cli import main
+from tests.conftest import SMALL
+
+
+def sets(*items):
+    out = []
+    for item in items:
+        out += ["--set", item]
+    return out
+
+
+def test_run_prints_server_only_beside_the_method(tmp_path, capsys):
+    args = sets(*[s for s in SMALL if not s.startswith("common_args.compare_with")],
+                "common_args.compare_with=[server_only]", f"common_args.output_dir={tmp_path}",
+                "train_args.comm_round=1")
+    assert main(["run", *args]) == 0
+    out = capsys.readouterr().out
+    assert "server_only" in out and "fedavg_ssl" in out and "same split" in out
+    assert (tmp_path / "mnist5k_fedavg_ssl" / "compare" / "server_only" / "summary.json").is_file()
+
+
+def test_config_typo_exits_2_and_names_the_key(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train_args:\n  comm_rounds: 3\n")
+    assert main(["run", "--cf", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "train_args.comm_rounds" in err and "comm_round" in err
+
+
+def test_partition_reports_r_and_saves_heatmap(tmp_path, capsys):
+    out_png = tmp_path / "part.png"
+    code = main(["partition", *sets("data_args.partition_method=r", "data_args.non_iid_r=0.6",
+                                    "train_args.client_num_in_total=10"), "--out", str(out_png)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "0.6" in text and "measured" in text
+    assert out_png.stat().st_size > 1000
+
+
+def test_print_config_shows_resolved_yaml(capsys):
+    assert main(["run", "--print-config", "--set", "train_args.comm_round=4"]) == 0
+    assert "comm_round: 4" in capsys.readouterr().out

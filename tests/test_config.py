@@ -1,0 +1,119 @@
+"""Config validation: typos, types, ranges, impossible combinations, overrides, round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fedml_ssfl.config import ConfigError, load_config, validate
+
+
+def test_default_config_is_the_main_job():
+    cfg = load_config()
+    assert cfg.data_args.dataset == "mnist5k"
+    assert cfg.data_args.num_server_labels == 50
+    assert cfg.train_args.client_num_in_total == 10
+    assert cfg.common_args.compare_with == ["server_only"]
+
+
+def test_unknown_key_names_it_and_the_closest_valid_one():
+    with pytest.raises(ConfigError, match=r"train_args\.comm_rund.*did you mean 'comm_round'"):
+        validate({"train_args": {"comm_rund": 3}})
+
+
+def test_unknown_section_and_unknown_algorithm_key():
+    with pytest.raises(ConfigError, match="unknown section 'trian_args'.*'train_args'"):
+        validate({"trian_args": {}})
+    with pytest.raises(ConfigError, match=r"ssfl_args\.treshold.*'threshold'"):
+        validate({"ssfl_args": {"algorithm": "fedavg_ssl", "treshold": 0.9}})
+
+
+def test_unknown_algorithm_suggests_closest():
+    with pytest.raises(ValueError, match="did you mean 'fedavg_ssl'"):
+        validate({"ssfl_args": {"algorithm": "fedavg_sssl"}})
+
+
+@pytest.mark.parametrize(
+    "raw, pattern",
+    [
+        ({"train_args": {"comm_round": "ten"}}, r"train_args\.comm_round: expected an integer"),
+        ({"train_args": {"learning_rate": "fast"}}, r"train_args\.learning_rate: expected a number"),
+        ({"tracking_args": {"progress_bar": "yes"}}, r"progress_bar: expected true or false"),
+        ({"data_args": {"non_iid_r": 1.5}}, r"data_args\.non_iid_r: 1\.5 is out of range; it must be >= 0\.0 and <= 1\.0"),
+        ({"train_args": {"comm_round": 0}}, r"train_args\.comm_round: 0 is out of range"),
+        ({"device_args": {"device": "tpu"}}, r"device_args\.device: 'tpu' is not allowed; choose one of cpu, cuda"),
+        ({"data_args": {"partition_method": "noniid"}}, r"partition_method.*iid, r, dirichlet, shards"),
+    ],
+)
+def test_wrong_type_or_range_names_key_and_allowed(raw, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate(raw)
+
+
+def test_more_clients_per_round_than_clients_is_refused():
+    with pytest.raises(ConfigError, match=r"client_num_per_round \(C_k=12\).*client_num_in_total \(K=10\)"):
+        validate({"train_args": {"client_num_per_round": 12}})
+
+
+def test_more_groups_than_clients_per_round_is_refused():
+    raw = {"train_args": {"client_num_per_round": 2}, "ssfl_args": {"averaging": "grouping", "num_groups": 3}}
+    with pytest.raises(ConfigError, match=r"num_groups \(S=3\).*C_k=2"):
+        validate(raw)
+
+
+def test_label_scenario_the_algorithm_cannot_serve():
+    with pytest.raises(ConfigError, match="supports server, not 'client'"):
+        validate({"data_args": {"label_scenario": "client"}, "ssfl_args": {"algorithm": "fedavg_ssl"}})
+
+
+def test_wandb_and_mlops_stay_off():
+    with pytest.raises(ConfigError, match="offline"):
+        validate({"tracking_args": {"enable_wandb": True}})
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train_args: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_overrides_apply_and_are_checked(tmp_path):
+    cfg = load_config(None, ["train_args.comm_round=7", "data_args.dataset=digits", "ssfl_args.averaging=grouping"])
+    assert cfg.train_args.comm_round == 7
+    assert cfg.data_args.dataset == "digits"
+    assert cfg.ssfl_args.averaging == "grouping"
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(None, ["comm_round=7"])
+    with pytest.raises(ConfigError, match="comm_rond"):
+        load_config(None, ["train_args.comm_rond=7"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["train_args.comm_round=3", "ssfl_args.threshold=0.9"])
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    again = load_config(path)
+    assert again.to_dict() == cfg.to_dict()
+    assert again.fingerprint() == cfg.fingerprint()
+    assert yaml.safe_load(path.read_text())["ssfl_args"]["algorithm"] == "fedavg_ssl"
+
+
+def test_fingerprint_ignores_output_location_but_not_hyperparameters():
+    a = load_config(None, ["common_args.run_name=a"])
+    b = load_config(None, ["common_args.run_name=b", "common_args.output_dir=/elsewhere"])
+    c = load_config(None, ["train_args.learning_rate=0.1"])
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint() != c.fingerprint()
+
+
+def test_shipped_configs_validate():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.rglob("*.yaml"))
+    assert files, "configs/ should ship experiment YAMLs"
+    for f in files:
+        load_config(f)

@@ -1,0 +1,251 @@
+"""Tests for the model registry, normalisation helper and registered models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedml_ssfl.models import (
+    available_models,
+    build_model,
+    classifier_prefix,
+    count_parameters,
+    make_norm,
+    model_spec,
+    register_model,
+)
+from fedml_ssfl.models import registry as registry_mod
+
+# Per-model test inputs: (in_channels, image_size, num_classes, sgd_steps). ResNet-18 runs on
+# 16x16 images (it accepts any side >= 8) and fewer steps to keep the suite fast on CPU.
+CASES: dict[str, tuple[int, int, int, int]] = {
+    "resnet18": (3, 16, 10, 5),
+    "cnn28": (1, 28, 10, 15),
+    "emnist_cnn": (1, 28, 62, 15),
+}
+BATCH = 8
+
+MODEL_NORMS = [(name, norm) for name in available_models() for norm in model_spec(name).norms]
+
+
+def _case(name: str) -> tuple[int, int, int, int]:
+    # A model registered without a test case here gets a generic small-input check.
+    return CASES.get(name, (3, 32, 10, 10))
+
+
+def _build(name: str, norm: str, seed: int = 0) -> nn.Module:
+    in_ch, size, classes, _ = _case(name)
+    torch.manual_seed(seed)
+    return build_model(name, num_classes=classes, in_channels=in_ch, image_size=size, norm=norm)
+
+
+def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    in_ch, size, classes, _ = _case(name)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(BATCH, in_ch, size, size, generator=g)
+    y = torch.randint(0, classes, (BATCH,), generator=g)
+    return x, y
+
+
+def test_available_models() -> None:
+    assert available_models() == sorted(available_models())
+    assert {"resnet18", "cnn28", "emnist_cnn"} <= set(available_models())
+
+
+def test_model_specs() -> None:
+    assert model_spec("resnet18").norms == ("bn", "gn")
+    assert model_spec("cnn28").norms == ("bn", "gn", "none")
+    assert model_spec("emnist_cnn").norms == ("none",)
+    assert model_spec("emnist_cnn").image_sizes == (28,)
+    assert model_spec("resnet18").image_sizes is None
+    for name in available_models():
+        assert model_spec(name).description
+
+
+@pytest.mark.parametrize(("name", "norm"), MODEL_NORMS)
+def test_model_forward_train_roundtrip(name: str, norm: str) -> None:
+    in_ch, size, classes, steps = _case(name)
+    model = _build(name, norm)
+    x, y = _batch(name)
+
+    # Output shape and classifier layer.
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == (BATCH, classes)
+    assert out.dtype == torch.float32
+    assert isinstance(model.fc, nn.Linear)
+    assert model.fc.out_features == classes
+    assert classifier_prefix(model) == "fc"
+    fc_keys = sorted(k for k in model.state_dict() if k.split(".")[0].startswith("fc"))
+    assert fc_keys == ["fc.bias", "fc.weight"]
+
+    # A few SGD steps on a fixed batch lower the loss (measured in train mode with a fixed
+    # dropout seed, so before/after see the same masks).
+    def loss_now() -> float:
+        torch.manual_seed(99)
+        with torch.no_grad():
+            return nn.functional.cross_entropy(model(x), y).item()
+
+    model.train()
+    before = loss_now()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(7)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    after = loss_now()
+    assert after < 0.9 * before, (before, after)
+
+    # state_dict round-trip into a fresh, differently initialised model.
+    model.eval()
+    fresh = _build(name, norm, seed=1)
+    fresh.load_state_dict(model.state_dict())
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), fresh(x))
+
+
+@pytest.mark.parametrize("name", ["cnn28", "emnist_cnn"])
+def test_deterministic_init(name: str) -> None:
+    norm = model_spec(name).norms[0]
+    a, b = _build(name, norm, seed=3), _build(name, norm, seed=3)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb
+        assert torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("norm", ["bn", "gn"])
+def test_resnet18_parameter_count(norm: str) -> None:
+    model = build_model("resnet18", num_classes=10, in_channels=3, image_size=32, norm=norm)
+    assert count_parameters(model) == 11_173_962
+
+
+def test_resnet18_full_size_forward() -> None:
+    model = build_model("resnet18", num_classes=10, in_channels=3, image_size=32, norm="gn").eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert norms and all(m.num_groups == 32 for m in norms)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+@pytest.mark.parametrize(("classes", "expected"), [(62, 1_206_590), (47, 1_204_655)])
+def test_emnist_cnn_parameter_count(classes: int, expected: int) -> None:
+    model = build_model("emnist_cnn", num_classes=classes, in_channels=1, image_size=28, norm="none")
+    assert count_parameters(model) == expected
+    assert not any(isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) for m in model.modules())
+
+
+@pytest.mark.parametrize(("norm", "expected"), [("bn", 24_058), ("gn", 24_058), ("none", 23_946)])
+def test_cnn28_parameter_count(norm: str, expected: int) -> None:
+    model = build_model("cnn28", num_classes=10, in_channels=1, image_size=28, norm=norm)
+    assert count_parameters(model) == expected
+
+
+def test_cnn28_other_sizes_and_rgb() -> None:
+    model = build_model("cnn28", num_classes=5, in_channels=3, image_size=32, norm="gn").eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+        assert model(torch.randn(2, 3, 8, 8)).shape == (2, 5)
+    gns = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert len(gns) == 3 and all(m.num_groups == 8 for m in gns)
+
+
+def test_count_parameters_trainable_only() -> None:
+    model = build_model("cnn28", num_classes=10, in_channels=1, image_size=28, norm="bn")
+    total = count_parameters(model)
+    model.fc.weight.requires_grad_(False)
+    assert count_parameters(model) == total - model.fc.weight.numel()
+
+
+def test_unknown_model_suggests_closest() -> None:
+    with pytest.raises(ValueError, match="resnet19") as info:
+        build_model("resnet19", num_classes=10, in_channels=3, image_size=32)
+    msg = str(info.value)
+    assert "Did you mean 'resnet18'?" in msg
+    for name in available_models():
+        assert name in msg
+    with pytest.raises(ValueError, match="Did you mean 'emnist_cnn'"):
+        model_spec("emnist-cnn")
+
+
+def test_unsupported_norm_names_allowed_values() -> None:
+    with pytest.raises(ValueError, match=r"model_args\.norm='bn'.*emnist_cnn.*'none'"):
+        build_model("emnist_cnn", num_classes=62, in_channels=1, image_size=28, norm="bn")
+    with pytest.raises(ValueError, match=r"model_args\.norm='none'.*'bn', 'gn'"):
+        build_model("resnet18", num_classes=10, in_channels=3, image_size=32, norm="none")
+
+
+def test_unsupported_image_size_lists_supported() -> None:
+    with pytest.raises(ValueError, match=r"image_size=32.*supports image sizes: 28"):
+        build_model("emnist_cnn", num_classes=62, in_channels=1, image_size=32, norm="none")
+    with pytest.raises(ValueError, match=r"image_size=4.*any >= 8"):
+        build_model("cnn28", num_classes=10, in_channels=1, image_size=4, norm="gn")
+
+
+def test_invalid_counts_rejected() -> None:
+    with pytest.raises(ValueError, match="num_classes"):
+        build_model("cnn28", num_classes=0, in_channels=1, image_size=28)
+    with pytest.raises(ValueError, match="in_channels"):
+        build_model("cnn28", num_classes=10, in_channels=0, image_size=28)
+
+
+def test_in_channels_restriction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_mod, "_REGISTRY", dict(registry_mod._REGISTRY))
+
+    @register_model("tmp_rgb_only", norms=("none",), in_channels=(3,), description="test model")
+    def _tmp(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
+        net = nn.Module()
+        net.fc = nn.Linear(in_channels, num_classes)
+        return net
+
+    assert "tmp_rgb_only" in available_models()
+    assert model_spec("tmp_rgb_only").description == "test model"
+    with pytest.raises(ValueError, match=r"in_channels=1.*supports in_channels in 3"):
+        build_model("tmp_rgb_only", num_classes=2, in_channels=1, image_size=8, norm="none")
+    assert build_model("tmp_rgb_only", num_classes=2, in_channels=3, image_size=8, norm="none").fc
+
+
+def test_duplicate_registration_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_mod, "_REGISTRY", dict(registry_mod._REGISTRY))
+    before = model_spec("cnn28")
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_model("cnn28")
+        def _dup(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
+            return nn.Linear(1, 1)
+
+    assert model_spec("cnn28") is before
+
+
+def test_model_without_fc_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_mod, "_REGISTRY", dict(registry_mod._REGISTRY))
+
+    @register_model("tmp_no_fc", norms=("none",))
+    def _no_fc(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
+        """A model that breaks the classifier naming contract."""
+        return nn.Linear(in_channels, num_classes)
+
+    assert model_spec("tmp_no_fc").description == "A model that breaks the classifier naming contract."
+    with pytest.raises(TypeError, match="fc"):
+        build_model("tmp_no_fc", num_classes=2, in_channels=3, image_size=8, norm="none")
+    with pytest.raises(ValueError, match="fc"):
+        classifier_prefix(nn.Linear(2, 2))
+
+
+def test_make_norm() -> None:
+    bn = make_norm("bn", 16)
+    assert isinstance(bn, nn.BatchNorm2d) and bn.num_features == 16
+    gn = make_norm("gn", 64)
+    assert isinstance(gn, nn.GroupNorm) and gn.num_groups == 32 and gn.num_channels == 64
+    small = make_norm("gn", 16)
+    assert isinstance(small, nn.GroupNorm) and small.num_groups == 16
+    assert make_norm("gn", 32, groups=8).num_groups == 8
+    assert isinstance(make_norm("none", 8), nn.Identity)
+    with pytest.raises(ValueError, match="divisible"):
+        make_norm("gn", 48)
+    with pytest.raises(ValueError, match="unknown norm"):
+        make_norm("layer", 8)

@@ -1,0 +1,123 @@
+"""The local runtime: outputs, sampling, exact resume, refusing bad checkpoints, NaN handling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedml_ssfl.algorithms.base import check_finite
+from fedml_ssfl.algorithms.fedavg_ssl import FedAvgSSL
+from fedml_ssfl.checkpoint import CheckpointError, load_checkpoint
+from fedml_ssfl.config import ConfigError
+from fedml_ssfl.runtime.local import RunFailed, run_local
+from fedml_ssfl.sampling import sample_clients
+
+
+def global_state(run_dir):
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")["algorithm"]
+
+
+def test_sampler_is_seeded_and_picks_ck_of_k():
+    a = [sample_clients(3, r, 10, 4) for r in range(5)]
+    b = [sample_clients(3, r, 10, 4) for r in range(5)]
+    assert a == b
+    assert all(len(c) == 4 and len(set(c)) == 4 and max(c) < 10 for c in a)
+    assert len({tuple(c) for c in a}) > 1  # rounds differ
+    assert sample_clients(3, 0, 10, 4) != sample_clients(4, 0, 10, 4) or sample_clients(3, 1, 10, 4) != sample_clients(
+        4, 1, 10, 4
+    )
+    assert sample_clients(0, 0, 5, 5) == [0, 1, 2, 3, 4]
+
+
+def test_run_writes_every_output(small_config, tmp_path):
+    cfg = small_config("tracking_args.enable_tensorboard=true", "validation_args.frequency_of_the_test=2",
+                       "train_args.comm_round=3")
+    res = run_local(cfg, run_dir=tmp_path / "run")
+    d = res.run_dir
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert "test_acc" not in rows[0] and "test_acc" in rows[1] and "test_acc" in rows[2]  # every 2 + last
+    assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rows)
+    # bytes are the real tensor bytes: 4 clients x full float32 model each way
+    model_bytes = sum(t.numel() * t.element_size() for t in global_state(d)["global_state"].values())
+    assert rows[0]["bytes_up"] == 4 * model_bytes
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert summary["final_test_acc"] == pytest.approx(rows[-1]["test_acc"])
+    assert (d / "config.yaml").is_file()
+    assert (d / "plots" / "accuracy.png").stat().st_size > 1000
+    assert (d / "plots" / "bytes.png").stat().st_size > 1000
+    assert any((d / "tb").iterdir())
+    assert "weight_diversity" in rows[0] and "client_mask_rate" in rows[0]
+
+
+def test_a_new_run_never_overwrites_an_old_one(small_config, tmp_path):
+    cfg = small_config("train_args.comm_round=1")
+    first = run_local(cfg, run_dir=tmp_path / "run")
+    second = run_local(cfg, run_dir=tmp_path / "run")
+    assert first.run_dir != second.run_dir and first.run_dir.exists()
+
+
+@pytest.mark.parametrize("averaging", ["fedavg", "grouping"])
+def test_resume_ends_with_the_uninterrupted_model(small_config, tmp_path, averaging):
+    cfg = small_config("train_args.comm_round=4", "train_args.client_num_per_round=3", f"ssfl_args.averaging={averaging}")
+    full = run_local(cfg, run_dir=tmp_path / "full")
+    part = run_local(cfg, run_dir=tmp_path / "part", stop_after=2)
+    assert part.summary["status"] == "stopped" and part.rounds_completed == 2
+    resumed = run_local(cfg, run_dir=tmp_path / "part", resume=True)
+    assert resumed.rounds_completed == 4
+    a, b = global_state(full.run_dir), global_state(resumed.run_dir)
+    for k in a["global_state"]:
+        assert torch.equal(a["global_state"][k], b["global_state"][k]), k
+    assert resumed.final_acc == full.final_acc
+    rows = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_corrupt_checkpoint_is_refused_and_left_untouched(small_config, tmp_path):
+    cfg = small_config("train_args.comm_round=1")
+    res = run_local(cfg, run_dir=tmp_path / "run")
+    ckpt = res.run_dir / "checkpoints" / "last.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    damaged = ckpt.read_bytes()
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        run_local(cfg, run_dir=res.run_dir, resume=True)
+    assert ckpt.read_bytes() == damaged
+
+
+def test_checkpoint_of_another_config_is_refused(small_config, tmp_path):
+    res = run_local(small_config("train_args.comm_round=1"), run_dir=tmp_path / "run")
+    other = small_config("train_args.comm_round=1", "train_args.learning_rate=0.5")
+    with pytest.raises(CheckpointError, match="different configuration"):
+        run_local(other, run_dir=res.run_dir, resume=True)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        run_local(other, run_dir=tmp_path / "empty", resume=True)
+
+
+def test_nan_loss_stops_naming_round_and_client_and_keeps_last_checkpoint(small_config, tmp_path, monkeypatch):
+    original = FedAvgSSL.client_update
+
+    def poisoned(self, msg, data, state, ctx):
+        if ctx.round_idx == 2 and data.client_id == 1:
+            check_finite(torch.tensor(float("nan")), ctx.round_idx, f"client {data.client_id}")
+        return original(self, msg, data, state, ctx)
+
+    monkeypatch.setattr(FedAvgSSL, "client_update", poisoned)
+    cfg = small_config("train_args.comm_round=4")
+    with pytest.raises(RunFailed, match="round 2 on client 1.*last.pt"):
+        run_local(cfg, run_dir=tmp_path / "run")
+    kept = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert kept["round"] == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+
+
+def test_impossible_data_settings_fail_before_training(small_config, tmp_path):
+    with pytest.raises(ConfigError, match="num_server_labels"):
+        run_local(small_config("data_args.num_server_labels=5000"), run_dir=tmp_path / "r1")
+    with pytest.raises(ConfigError, match="cuda"):
+        if torch.cuda.is_available():
+            raise ConfigError("cuda present: nothing to check")
+        run_local(small_config("device_args.device=cuda"), run_dir=tmp_path / "r2")
