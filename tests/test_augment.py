@@ -30,7 +30,7 @@ def test_weak_is_a_pure_shift() -> None:
     pad = 2
     out = weak_augment(x, generator(0, "weak"), flip=False, pad=pad)
     padded = F.pad(x[:1], (pad, pad, pad, pad), mode="reflect")[0]
-    crops = {(i, j): padded[:, i:i + 8, j:j + 8] for i in range(2 * pad + 1) for j in range(2 * pad + 1)}
+    crops = {(i, j): padded[:, i : i + 8, j : j + 8] for i in range(2 * pad + 1) for j in range(2 * pad + 1)}
     offsets = set()
     for sample in out:
         match = [k for k, crop in crops.items() if torch.equal(sample, crop)]
@@ -44,8 +44,8 @@ def test_weak_flip_false_never_flips() -> None:
     x = batch(64, 3, 8)
     assert torch.equal(weak_augment(x, generator(1, "w"), flip=False, pad=0), x)
     flipped = weak_augment(x, generator(1, "w"), flip=True, pad=0)
-    is_flipped = torch.stack([torch.equal(a, b.flip(-1)) for a, b in zip(flipped, x)])
-    unchanged = torch.stack([torch.equal(a, b) for a, b in zip(flipped, x)])
+    is_flipped = torch.tensor([torch.equal(a, b.flip(-1)) for a, b in zip(flipped, x)])
+    unchanged = torch.tensor([torch.equal(a, b) for a, b in zip(flipped, x)])
     assert (is_flipped | unchanged).all() and is_flipped.any() and unchanged.any()
 
 

@@ -143,7 +143,10 @@ def test_cifar100(tmp_path: Path) -> None:
     folder.mkdir()
     x_train, x_test = _pixels(rng, 20, 3, 32, 32), _pixels(rng, 10, 3, 32, 32)
     y_train = [int(v) for v in rng.integers(0, 100, 20)]
-    _dump(folder / "train", {b"data": x_train.reshape(20, -1), b"fine_labels": y_train, b"coarse_labels": [0] * 20})
+    _dump(
+        folder / "train",
+        {b"data": x_train.reshape(20, -1), b"fine_labels": y_train, b"coarse_labels": [0] * 20},
+    )
     _dump(folder / "test", {b"data": x_test.reshape(10, -1), b"fine_labels": [99] * 10})
     _dump(folder / "meta", {b"fine_label_names": [f"f{i}".encode() for i in range(100)]})
     ds = load_dataset("cifar100", root=str(tmp_path))
@@ -178,8 +181,9 @@ def _write_idx(path: Path, array: np.ndarray, compress: bool) -> None:
         path.write_bytes(payload)
 
 
-def _write_idx_set(folder: Path, prefix: str, train: int, test: int, num_classes: int,
-                   rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _write_idx_set(
+    folder: Path, prefix: str, train: int, test: int, num_classes: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """Train files gzip-compressed, test files plain: both forms must be accepted."""
     folder.mkdir(parents=True)
     arrays = {
@@ -194,7 +198,9 @@ def _write_idx_set(folder: Path, prefix: str, train: int, test: int, num_classes
     return arrays
 
 
-@pytest.mark.parametrize(("name", "subdir", "flip"), [("mnist", "MNIST", False), ("fashion_mnist", "FashionMNIST", True)])
+@pytest.mark.parametrize(
+    ("name", "subdir", "flip"), [("mnist", "MNIST", False), ("fashion_mnist", "FashionMNIST", True)]
+)
 def test_mnist_family(tmp_path: Path, name: str, subdir: str, flip: bool) -> None:
     arrays = _write_idx_set(tmp_path / subdir / "raw", "", 20, 10, 10, np.random.default_rng(3))
     ds = load_dataset(name, root=tmp_path)
@@ -239,8 +245,11 @@ def test_missing_files_message(tmp_path: Path, name: str) -> None:
     assert name in message and "download: true" in message and "data_cache_dir" in message
     assert str(tmp_path / "nowhere") in message
     expected = {
-        "cifar10": "data_batch_5", "cifar100": "meta", "svhn": "test_32x32.mat",
-        "mnist": "t10k-labels-idx1-ubyte", "fashion_mnist": "train-images-idx3-ubyte",
+        "cifar10": "data_batch_5",
+        "cifar100": "meta",
+        "svhn": "test_32x32.mat",
+        "mnist": "t10k-labels-idx1-ubyte",
+        "fashion_mnist": "train-images-idx3-ubyte",
         "emnist_balanced": "emnist-balanced-test-images-idx3-ubyte",
     }[name]
     assert expected in message

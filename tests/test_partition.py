@@ -69,7 +69,7 @@ def test_largest_remainder_sums() -> None:
 
 @pytest.mark.parametrize("r", [0.0, 0.4, 0.8, 1.0])
 def test_measured_r_matches_requested(r: float) -> None:
-    labels = balanced_labels()
+    labels = balanced_labels(per_class=500)
     split = build_split(labels, 10, num_clients=10, seed=0, method="r", non_iid_r=r, num_server_labels=100)
     assert split.requested_r == r
     assert abs(split.measured_r(labels) - r) < 0.01
@@ -96,6 +96,18 @@ def test_r_more_clients_than_classes() -> None:
     assert len(assert_disjoint(split)) == len(labels)
 
 
+def test_r_fewer_clients_than_classes() -> None:
+    labels = balanced_labels()
+    split = build_split(labels, 10, num_clients=5, seed=1, method="r", non_iid_r=0.4, num_server_labels=100)
+    # only the main-class share R * n_j of the 5 classes nobody has as main class is left out
+    assigned = sum(len(u) for u in split.client_unlabeled)
+    assert assigned == 10 * 190 - 5 * round(0.4 * 190)
+    hist = split.class_histograms(labels)
+    assert (hist.argmax(axis=1) == np.arange(5)).all()
+    assert 0.0 < split.measured_r(labels) < 0.4
+    assert_disjoint(split)
+
+
 def test_r_out_of_range() -> None:
     with pytest.raises(ValueError, match="data_args.non_iid_r"):
         build_split(balanced_labels(), 10, num_clients=10, seed=0, method="r", non_iid_r=1.5)
@@ -109,7 +121,9 @@ def test_r_out_of_range() -> None:
 @pytest.mark.parametrize("method", ["iid", "r", "dirichlet", "shards"])
 def test_sizes_add_up(method: str) -> None:
     labels = imbalanced_labels()
-    split = build_split(labels, 10, num_clients=10, seed=2, method=method, num_server_labels=53, num_server_val=20)
+    split = build_split(
+        labels, 10, num_clients=10, seed=2, method=method, num_server_labels=53, num_server_val=20
+    )
     joined = assert_disjoint(split)
     assert len(joined) == len(labels)
     assert split.num_clients == 10 and len(split.client_labeled) == 10
@@ -146,14 +160,25 @@ def test_dirichlet_alpha_controls_skew() -> None:
 
 def test_dirichlet_fills_empty_clients() -> None:
     labels = balanced_labels(per_class=10, num_classes=2)
-    split = build_split(labels, 2, num_clients=12, seed=3, method="dirichlet", alpha=0.01, num_server_labels=2)
+    split = build_split(
+        labels, 2, num_clients=12, seed=3, method="dirichlet", alpha=0.01, num_server_labels=2
+    )
     assert min(len(u) for u in split.client_unlabeled) >= 1
 
 
 def test_labels_at_client() -> None:
     labels = balanced_labels()
-    split = build_split(labels, 10, num_clients=8, seed=4, scenario="client", num_server_labels=0,
-                        method="dirichlet", alpha=0.3, labels_per_class_client=5)
+    split = build_split(
+        labels,
+        10,
+        num_clients=8,
+        seed=4,
+        scenario="client",
+        num_server_labels=0,
+        method="dirichlet",
+        alpha=0.3,
+        labels_per_class_client=5,
+    )
     assert len(split.server_labeled) == 0
     assert len(assert_disjoint(split)) == len(labels)
     lab = split.class_histograms(labels, "labeled")

@@ -19,8 +19,20 @@ import torch
 import torch.nn.functional as F
 
 OP_NAMES: tuple[str, ...] = (
-    "Identity", "AutoContrast", "Brightness", "Color", "Contrast", "Equalize", "Posterize",
-    "Rotate", "Sharpness", "ShearX", "ShearY", "Solarize", "TranslateX", "TranslateY",
+    "Identity",
+    "AutoContrast",
+    "Brightness",
+    "Color",
+    "Contrast",
+    "Equalize",
+    "Posterize",
+    "Rotate",
+    "Sharpness",
+    "ShearX",
+    "ShearY",
+    "Solarize",
+    "TranslateX",
+    "TranslateY",
 )
 """RandAugment operations; an op id is an index into this tuple."""
 
@@ -113,7 +125,9 @@ def shift_crop(x: torch.Tensor, pad: int, offsets: torch.Tensor) -> torch.Tensor
     return out.permute(0, 3, 1, 2).contiguous()
 
 
-def weak_augment(x: torch.Tensor, generator: torch.Generator, *, flip: bool, pad: int | None = None) -> torch.Tensor:
+def weak_augment(
+    x: torch.Tensor, generator: torch.Generator, *, flip: bool, pad: int | None = None
+) -> torch.Tensor:
     """Weak augmentation alpha(): random horizontal flip then a random pad-and-crop shift.
 
     Parameters
@@ -193,21 +207,21 @@ def _contrast(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch
 
 
 def _equalize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """Histogram equalisation per sample and channel on 256 bins.
+    """Histogram equalisation per sample and channel of the 8-bit quantised image.
 
-    Approximation of PIL's ``ImageOps.equalize``: the lookup table is the plain normalised CDF
-    ``(cdf - cdf_min) / (total - cdf_min)`` rather than PIL's step-based table.
+    Approximation of PIL's ``ImageOps.equalize``: each grey level v maps to the normalised CDF
+    ``(cdf(v) - cdf_min) / (total - cdf_min)`` rather than PIL's step-based table. The CDF is read
+    off the sorted pixels with ``searchsorted`` (deterministic on GPU, unlike scatter-based
+    histograms). A single-valued channel is left unchanged.
     """
     m, c, h, w = x.shape
-    q = (x * 255.0).round().long().clamp_(0, 255).view(m * c, h * w)
-    hist = torch.zeros(m * c, 256, dtype=x.dtype, device=x.device).scatter_add_(1, q, torch.ones_like(q, dtype=x.dtype))
-    cdf = hist.cumsum(dim=1)
-    cdf_min = torch.where(hist > 0, cdf, torch.full_like(cdf, float(h * w))).amin(dim=1, keepdim=True)
-    denom = (h * w - cdf_min).clamp_min(1.0)
-    lut = ((cdf - cdf_min) / denom).clamp_(0.0, 1.0)
-    out = torch.gather(lut, 1, q).view(m, c, h, w)
-    flat = (h * w - cdf_min).view(m, c, 1, 1) <= 0  # single-valued channel: leave as is
-    return torch.where(flat, x, out)
+    q = (x * 255.0).round().clamp_(0.0, 255.0).reshape(m * c, h * w).contiguous()
+    ordered, _ = torch.sort(q, dim=1)
+    cdf = torch.searchsorted(ordered, q, right=True).to(x.dtype)
+    cdf_min = torch.searchsorted(ordered, ordered[:, :1].contiguous(), right=True).to(x.dtype)
+    span = h * w - cdf_min
+    out = ((cdf - cdf_min) / span.clamp_min(1.0)).view(m, c, h, w)
+    return torch.where(span.view(m, c, 1, 1) > 0, out, x)
 
 
 def _posterize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
@@ -278,10 +292,20 @@ def _translate_y(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> to
 _Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _OPS: dict[str, _Op] = {
-    "Identity": _identity, "AutoContrast": _autocontrast, "Brightness": _brightness, "Color": _color,
-    "Contrast": _contrast, "Equalize": _equalize, "Posterize": _posterize, "Rotate": _rotate,
-    "Sharpness": _sharpness, "ShearX": _shear_x, "ShearY": _shear_y, "Solarize": _solarize,
-    "TranslateX": _translate_x, "TranslateY": _translate_y,
+    "Identity": _identity,
+    "AutoContrast": _autocontrast,
+    "Brightness": _brightness,
+    "Color": _color,
+    "Contrast": _contrast,
+    "Equalize": _equalize,
+    "Posterize": _posterize,
+    "Rotate": _rotate,
+    "Sharpness": _sharpness,
+    "ShearX": _shear_x,
+    "ShearY": _shear_y,
+    "Solarize": _solarize,
+    "TranslateX": _translate_x,
+    "TranslateY": _translate_y,
 }
 
 # geometric ops take their parameters on the CPU (they build matrices there); the rest on x's device
@@ -318,8 +342,9 @@ def apply_op(x: torch.Tensor, op_id: int, level: torch.Tensor, sign: torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 
-def sample_ops(n: int, generator: torch.Generator, num_ops: int = 2,
-               magnitude: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_ops(
+    n: int, generator: torch.Generator, num_ops: int = 2, magnitude: int = 10
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw each sample's RandAugment ops and their parameters (on the CPU).
 
     Parameters
@@ -348,7 +373,9 @@ def sample_ops(n: int, generator: torch.Generator, num_ops: int = 2,
     return ops, mags / _MAX_LEVEL, signs
 
 
-def apply_cutout(x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fill: float = _GREY) -> torch.Tensor:
+def apply_cutout(
+    x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fill: float = _GREY
+) -> torch.Tensor:
     """Fill one square per sample with ``fill``, clipped at the image border.
 
     Parameters
@@ -379,15 +406,18 @@ def apply_cutout(x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fi
     return x.masked_fill(mask, fill)
 
 
-def _sample_cutout(n: int, h: int, w: int, size: float,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_cutout(
+    n: int, h: int, w: int, size: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cutout sides uniform in ``[1, size * H]`` and uniform centres (all drawn on the CPU)."""
     max_side = size * h
     sides = (1.0 + torch.rand(n, generator=generator) * max(max_side - 1.0, 0.0)).round().long()
     if size <= 0:
         sides = torch.zeros(n, dtype=torch.long)
-    centres = torch.stack([torch.randint(0, h, (n,), generator=generator),
-                           torch.randint(0, w, (n,), generator=generator)], dim=1)
+    centres = torch.stack(
+        [torch.randint(0, h, (n,), generator=generator), torch.randint(0, w, (n,), generator=generator)],
+        dim=1,
+    )
     return sides, centres
 
 
@@ -447,4 +477,3 @@ def strong_augment(
             x[dev_sel] = apply_op(x[dev_sel], op_id, levels[sel, slot], signs[sel, slot])
     out = apply_cutout(x, sides, centres).clamp_(0.0, 1.0)
     return (out, ops) if return_ops else out
-

@@ -32,15 +32,19 @@ DEFAULT_ROOT = "~/.cache/fedml_ssfl/data"
 
 _DIGIT_NAMES = [str(i) for i in range(10)]
 _FASHION_NAMES = [
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 ]
 # EMNIST-balanced: digits, upper case, and the 11 lower-case letters not merged with upper case.
-_EMNIST_BALANCED_NAMES = (
-    _DIGIT_NAMES
-    + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-    + list("abdefghnqrt")
-)
+_EMNIST_BALANCED_NAMES = _DIGIT_NAMES + [chr(c) for c in range(ord("A"), ord("Z") + 1)] + list("abdefghnqrt")
 
 
 @dataclass
@@ -203,7 +207,9 @@ def _synthetic_split(
     return np.clip(np.rint(images), 0, 255).astype(np.uint8), labels.astype(np.int64)
 
 
-def _synthetic_prototypes(num_classes: int, shape: tuple[int, int, int], rng: np.random.Generator) -> np.ndarray:
+def _synthetic_prototypes(
+    num_classes: int, shape: tuple[int, int, int], rng: np.random.Generator
+) -> np.ndarray:
     """One smooth random image per class: 4x4-pixel blocks of random grey levels in 32..223."""
     c, h, w = shape
     coarse = rng.uniform(32.0, 224.0, size=(num_classes, c, -(-h // 4), -(-w // 4)))
@@ -292,7 +298,11 @@ def read_idx(path: str | Path) -> np.ndarray:
     count = int(np.prod(dims)) if dims else 1
     if len(data) - offset != count * dtype.itemsize:
         raise ValueError(f"{path}: IDX header says {dims} but the payload has {len(data) - offset} bytes")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(dims).astype(dtype.newbyteorder("="))
+    return (
+        np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        .reshape(dims)
+        .astype(dtype.newbyteorder("="))
+    )
 
 
 def _find_idx(folder: Path, stem: str) -> Path | None:
@@ -357,7 +367,12 @@ def _real_dataset(
 _CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
 _CIFAR100_FILES = ["train", "test", "meta"]
 _SVHN_FILES = ["train_32x32.mat", "test_32x32.mat"]
-_MNIST_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+_MNIST_STEMS = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+]
 _EMNIST_STEMS = [
     f"emnist-balanced-{split}-{kind}"
     for split in ("train", "test")
@@ -393,7 +408,9 @@ def _files_present(folder: Path, files: list[str], idx: bool = False) -> bool:
     return all((folder / f).is_file() for f in files)
 
 
-def _maybe_download(name: str, root: Path, folder: Path, files: list[str], download: bool, idx: bool = False) -> None:
+def _maybe_download(
+    name: str, root: Path, folder: Path, files: list[str], download: bool, idx: bool = False
+) -> None:
     """Download with torchvision when asked and the files are not all there yet."""
     if download and not _files_present(folder, files, idx):
         _download(name, root)
@@ -410,8 +427,14 @@ def _load_cifar10(root: Path, download: bool, seed: int) -> ImageDataset:
     train_y = np.concatenate([np.asarray(b[b"labels"]) for b in batches])
     names = _decode_names(_unpickle(folder / "batches.meta")[b"label_names"])
     stats = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-    return _real_dataset("cifar10", (train_x, train_y), (_cifar_images(test), np.asarray(test[b"labels"])),
-                         names, stats, flip=True)
+    return _real_dataset(
+        "cifar10",
+        (train_x, train_y),
+        (_cifar_images(test), np.asarray(test[b"labels"])),
+        names,
+        stats,
+        flip=True,
+    )
 
 
 def _load_cifar100(root: Path, download: bool, seed: int) -> ImageDataset:
@@ -426,7 +449,9 @@ def _load_cifar100(root: Path, download: bool, seed: int) -> ImageDataset:
         "cifar100",
         (_cifar_images(train), np.asarray(train[b"fine_labels"])),
         (_cifar_images(test), np.asarray(test[b"fine_labels"])),
-        names, stats, flip=True,
+        names,
+        stats,
+        flip=True,
     )
 
 
@@ -446,8 +471,14 @@ def _load_svhn(root: Path, download: bool, seed: int) -> ImageDataset:
     _maybe_download("svhn", root, root, _SVHN_FILES, download)
     _require("svhn", root, _SVHN_FILES)
     stats = ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970))
-    return _real_dataset("svhn", _read_svhn_mat(root / "train_32x32.mat"), _read_svhn_mat(root / "test_32x32.mat"),
-                         list(_DIGIT_NAMES), stats, flip=False)
+    return _real_dataset(
+        "svhn",
+        _read_svhn_mat(root / "train_32x32.mat"),
+        _read_svhn_mat(root / "test_32x32.mat"),
+        list(_DIGIT_NAMES),
+        stats,
+        flip=False,
+    )
 
 
 def _load_idx_dataset(
@@ -469,7 +500,9 @@ def _load_mnist(root: Path, download: bool, seed: int) -> ImageDataset:
 def _load_fashion_mnist(root: Path, download: bool, seed: int) -> ImageDataset:
     """Fashion-MNIST from torchvision's layout ``root/FashionMNIST/raw``."""
     train, test = _load_idx_dataset("fashion_mnist", root, "FashionMNIST/raw", _MNIST_STEMS, download)
-    return _real_dataset("fashion_mnist", train, test, list(_FASHION_NAMES), ((0.2860,), (0.3530,)), flip=True)
+    return _real_dataset(
+        "fashion_mnist", train, test, list(_FASHION_NAMES), ((0.2860,), (0.3530,)), flip=True
+    )
 
 
 def _first_per_class(labels: np.ndarray, limit: int) -> np.ndarray:
@@ -482,7 +515,9 @@ def _first_per_class(labels: np.ndarray, limit: int) -> np.ndarray:
     return np.flatnonzero(rank < limit)
 
 
-def _load_emnist_balanced(root: Path, download: bool, seed: int, per_class_limit: int | None = 2400) -> ImageDataset:
+def _load_emnist_balanced(
+    root: Path, download: bool, seed: int, per_class_limit: int | None = 2400
+) -> ImageDataset:
     """EMNIST-balanced (47 classes) from ``root/EMNIST/raw``, train truncated per class (Zhang et al. A.1).
 
     EMNIST stores images transposed; they are transposed back here. ``per_class_limit`` keeps the
@@ -494,8 +529,14 @@ def _load_emnist_balanced(root: Path, download: bool, seed: int, per_class_limit
     if per_class_limit is not None:
         keep = _first_per_class(np.asarray(y_tr), int(per_class_limit))
         x_tr, y_tr = x_tr[keep], y_tr[keep]
-    return _real_dataset("emnist_balanced", (x_tr, y_tr), (x_te, y_te), list(_EMNIST_BALANCED_NAMES),
-                         ((0.1751,), (0.3332,)), flip=False)
+    return _real_dataset(
+        "emnist_balanced",
+        (x_tr, y_tr),
+        (x_te, y_te),
+        list(_EMNIST_BALANCED_NAMES),
+        ((0.1751,), (0.3332,)),
+        flip=False,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,9 +575,7 @@ def _resolve(name: str) -> _Loader:
         return _REGISTRY[name]
     close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
-        f"data_args.dataset: unknown dataset {name!r}.{hint} Available: {', '.join(available_datasets())}"
-    )
+    raise ValueError(f"unknown dataset {name!r}.{hint} Available: {', '.join(available_datasets())}")
 
 
 def _check_options(name: str, loader: _Loader, options: dict[str, Any]) -> None:

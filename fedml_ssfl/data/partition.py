@@ -90,8 +90,10 @@ class Split:
             int64 array ``(K, d)``.
         """
         y = _as_numpy_labels(labels)
-        rows = [np.bincount(y[self.client_indices(k, which).numpy()], minlength=self.num_classes)
-                for k in range(self.num_clients)]
+        rows = [
+            np.bincount(y[self.client_indices(k, which).numpy()], minlength=self.num_classes)
+            for k in range(self.num_clients)
+        ]
         return np.stack(rows).astype(np.int64) if rows else np.zeros((0, self.num_classes), np.int64)
 
     def measured_r(self, labels: torch.Tensor) -> float:
@@ -132,7 +134,7 @@ def non_iid_level(histograms: np.ndarray) -> float:
     if k < 2:
         return 0.0
     p = h / h.sum(axis=1, keepdims=True)
-    tv_sum = sum(float(np.abs(p[i + 1:] - p[i]).sum()) / 2.0 for i in range(k - 1))
+    tv_sum = sum(float(np.abs(p[i + 1 :] - p[i]).sum()) / 2.0 for i in range(k - 1))
     return 2.0 / (k * (k - 1)) * tv_sum
 
 
@@ -157,7 +159,7 @@ def largest_remainder(targets: np.ndarray, total: int, rng: np.random.Generator 
     counts = np.floor(targets + 1e-9).astype(np.int64)
     missing = int(total - counts.sum())
     if missing > 0:
-        frac = targets - counts
+        frac = np.round(targets - counts, 9)  # equal fractions tie exactly despite float noise
         tiebreak = rng.random(len(targets)) if rng is not None else np.arange(len(targets))
         order = np.lexsort((tiebreak, -frac))
         counts[order[:missing]] += 1
@@ -182,15 +184,27 @@ def balanced_counts(total: int, num_classes: int) -> np.ndarray:
     return counts
 
 
-def _validate(n: int, num_classes: int, num_clients: int, scenario: str, method: str,
-              num_server_labels: int, num_server_val: int, non_iid_r: float, alpha: float,
-              classes_per_client: int, labels_per_class_client: int) -> None:
+def _validate(
+    n: int,
+    num_classes: int,
+    num_clients: int,
+    scenario: str,
+    method: str,
+    num_server_labels: int,
+    num_server_val: int,
+    non_iid_r: float,
+    alpha: float,
+    classes_per_client: int,
+    labels_per_class_client: int,
+) -> None:
     """Raise ValueError naming the config key for any impossible argument."""
     if num_clients < 1:
         raise ValueError(f"train_args.client_num_in_total must be >= 1, got {num_clients}")
     if scenario not in SCENARIOS:
-        raise ValueError(f"data_args.label_scenario: {scenario!r} is not one of {SCENARIOS} "
-                         "(server = labels-at-server, client = labels-at-client)")
+        raise ValueError(
+            f"data_args.label_scenario: {scenario!r} is not one of {SCENARIOS} "
+            "(server = labels-at-server, client = labels-at-client)"
+        )
     if method not in METHODS:
         raise ValueError(f"data_args.partition_method: unknown method {method!r}; use one of {METHODS}")
     if num_server_labels < 0 or num_server_val < 0:
@@ -199,8 +213,9 @@ def _validate(n: int, num_classes: int, num_clients: int, scenario: str, method:
         raise ValueError("data_args.num_server_labels must be > 0 when data_args.label_scenario is 'server'")
     if num_server_labels + num_server_val > n:
         raise ValueError(
-            f"data_args.num_server_labels ({num_server_labels}) + data_args.num_server_val ({num_server_val}) "
-            f"exceed the {n} training samples; lower them to at most {n} together"
+            f"data_args.num_server_labels ({num_server_labels}) + "
+            f"data_args.num_server_val ({num_server_val}) exceed the {n} training samples; "
+            f"lower them to at most {n} together"
         )
     if method == "r" and not 0.0 <= non_iid_r <= 1.0:
         raise ValueError(f"data_args.non_iid_r must be in [0, 1], got {non_iid_r}")
@@ -250,7 +265,7 @@ def r_targets(available: np.ndarray, num_clients: int, r: float) -> np.ndarray:
     """Zhang et al. Appendix A.2 real-valued targets: how many samples of class i client k gets.
 
     Client k's main class is ``j = k mod d``; ``m_j`` clients share main class j; ``q`` is the
-    class distribution of what is left (``n_i / sum n``). A client with main class j gets
+    class distribution of what is left (``q_j = n_j / sum n``). A client with main class j gets
     ``n_j R / m_j`` of class j plus ``n_i q_j (1 - R) / m_j`` of every class i.
 
     Parameters
@@ -265,33 +280,43 @@ def r_targets(available: np.ndarray, num_clients: int, r: float) -> np.ndarray:
     Returns
     -------
     numpy.ndarray
-        ``(K, d)`` real targets. When K < d, classes that are no client's main class contribute
-        nothing: their share (``R n_j`` and the ``q_j (1 - R)`` part of every class) stays unassigned.
+        ``(K, d)`` real targets; each class's column sums to ``n_i`` when K >= d. When K < d, ``q`` is
+        renormalised over the classes that are some client's main class (so the ``(1 - R)`` share of
+        every class is still handed out in full), and the main-class share ``R n_j`` of a class with
+        ``m_j = 0`` stays unassigned.
     """
     n = np.asarray(available, dtype=np.float64)
     d = n.size
     main = np.arange(num_clients) % d
     m = np.bincount(main, minlength=d).astype(np.float64)
-    q = n / n.sum() if n.sum() > 0 else np.zeros(d)
+    weight = np.where(m > 0, n, 0.0)
+    q = weight / weight.sum() if weight.sum() > 0 else np.zeros(d)
     targets = np.outer(q[main] * (1.0 - r) / m[main], n)
     targets[np.arange(num_clients), main] += n[main] * r / m[main]
     return targets
 
 
 def _partition_r(pools: list[np.ndarray], k: int, rng: np.random.Generator, r: float) -> list[np.ndarray]:
-    """Zhang et al.'s R partition with per-class largest-remainder rounding."""
+    """Zhang et al.'s R partition with per-class largest-remainder rounding.
+
+    Ties between equal fractional parts go to lower client ids: in trials this kept the measured R
+    closer to the requested one than random tie-breaking (rounding error shrinks as 1 / n_j).
+    """
     n = np.array([len(p) for p in pools])
     targets = r_targets(n, k, r)
     parts: list[list[np.ndarray]] = [[] for _ in range(k)]
     for c, pool in enumerate(pools):
         col = targets[:, c]
-        counts = largest_remainder(col, min(len(pool), int(round(col.sum()))), rng)
-        for client, chunk in enumerate(np.split(pool, np.cumsum(counts)[:-1])):
+        counts = largest_remainder(col, min(len(pool), int(round(col.sum()))))
+        # counts may sum to less than the pool (K < d): the tail stays unassigned
+        for client, chunk in enumerate(np.split(pool[: counts.sum()], np.cumsum(counts)[:-1])):
             parts[client].append(chunk)
     return [np.concatenate(p) for p in parts]
 
 
-def _dirichlet_once(pools: list[np.ndarray], k: int, rng: np.random.Generator, alpha: float) -> list[np.ndarray]:
+def _dirichlet_once(
+    pools: list[np.ndarray], k: int, rng: np.random.Generator, alpha: float
+) -> list[np.ndarray]:
     parts: list[list[np.ndarray]] = [[] for _ in range(k)]
     for pool in pools:
         props = rng.dirichlet(np.full(k, alpha))
@@ -313,7 +338,9 @@ def _fill_empty(parts: list[np.ndarray]) -> list[np.ndarray]:
     return parts
 
 
-def _partition_dirichlet(pools: list[np.ndarray], k: int, rng: np.random.Generator, alpha: float) -> list[np.ndarray]:
+def _partition_dirichlet(
+    pools: list[np.ndarray], k: int, rng: np.random.Generator, alpha: float
+) -> list[np.ndarray]:
     """Per class, proportions over clients drawn from Dir(alpha); redrawn (up to 10 times) if a
     client is left empty, after which one sample is moved from the largest client to each empty one."""
     total = sum(len(p) for p in pools)
@@ -341,19 +368,26 @@ def _shards_per_class(sizes: np.ndarray, num_shards: int) -> np.ndarray:
     return counts
 
 
-def _partition_shards(pools: list[np.ndarray], k: int, rng: np.random.Generator, per_client: int) -> list[np.ndarray]:
+def _partition_shards(
+    pools: list[np.ndarray], k: int, rng: np.random.Generator, per_client: int
+) -> list[np.ndarray]:
     """Cut each class into single-class shards (``K * classes_per_client`` in all) and deal each
     client ``classes_per_client`` of them at random, so no client holds more classes than that."""
     sizes = np.array([len(p) for p in pools])
     shard_counts = _shards_per_class(sizes, k * per_client)
     shards = [s for pool, c in zip(pools, shard_counts) if c > 0 for s in np.array_split(pool, c)]
     order = rng.permutation(len(shards))
-    return [np.concatenate([shards[i] for i in order[j * per_client:(j + 1) * per_client]] or [np.zeros(0, np.int64)])
-            for j in range(k)]
+    return [
+        np.concatenate(
+            [shards[i] for i in order[j * per_client : (j + 1) * per_client]] or [np.zeros(0, np.int64)]
+        )
+        for j in range(k)
+    ]
 
 
-def _labels_at_client(part: np.ndarray, y: np.ndarray, per_class: int,
-                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _labels_at_client(
+    part: np.ndarray, y: np.ndarray, per_class: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Split one client's indices into (labeled, unlabeled): ``per_class`` labeled of each class it holds."""
     shuffled = rng.permutation(part)
     labels = y[shuffled]
@@ -396,8 +430,10 @@ def build_split(
       measured R equals the requested R up to rounding (each client's distribution is
       ``R [i = j] + (1 - R) q_i``, so every pair is at total-variation distance R). With K > d,
       clients sharing a main class have identical distributions, so the measured R is R times the
-      fraction of client pairs with different main classes; with K < d, the share of classes that
-      are nobody's main class is left unassigned. Always report :meth:`Split.measured_r`.
+      fraction of client pairs with different main classes; with K < d, the main-class share
+      ``R n_j`` of the classes that are nobody's main class is left unassigned (see
+      :func:`r_targets`) and the measured R comes out below R. Always report
+      :meth:`Split.measured_r`.
     - ``"dirichlet"``: per class, proportions over clients ~ Dir(alpha).
     - ``"shards"``: single-class shards, ``classes_per_client`` per client (never more classes).
 
@@ -442,8 +478,19 @@ def build_split(
         An impossible combination; the message names the config key.
     """
     y = _as_numpy_labels(labels)
-    _validate(len(y), num_classes, num_clients, scenario, method, num_server_labels, num_server_val,
-              non_iid_r, alpha, classes_per_client, labels_per_class_client)
+    _validate(
+        len(y),
+        num_classes,
+        num_clients,
+        scenario,
+        method,
+        num_server_labels,
+        num_server_val,
+        non_iid_r,
+        alpha,
+        classes_per_client,
+        labels_per_class_client,
+    )
     rng = numpy_rng(seed, "partition")
     pools = _class_pools(y, num_classes, rng)
     server, pools = _take_balanced(pools, num_server_labels, "data_args.num_server_labels")
@@ -468,8 +515,15 @@ def build_split(
     )
 
 
-def _client_parts(pools: list[np.ndarray], k: int, rng: np.random.Generator, method: str,
-                  non_iid_r: float, alpha: float, classes_per_client: int) -> list[np.ndarray]:
+def _client_parts(
+    pools: list[np.ndarray],
+    k: int,
+    rng: np.random.Generator,
+    method: str,
+    non_iid_r: float,
+    alpha: float,
+    classes_per_client: int,
+) -> list[np.ndarray]:
     """Dispatch to the partition method."""
     pools = [p.astype(np.int64) for p in pools]
     if method == "iid":

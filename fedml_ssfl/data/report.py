@@ -18,11 +18,12 @@ def _header_lines(split: Split, labels: torch.Tensor) -> list[str]:
     """Sizes of the server sets, the clients' totals and the non-iid level."""
     assigned = _size(split.server_labeled) + _size(split.server_val)
     assigned += sum(_size(u) + _size(lab) for u, lab in zip(split.client_unlabeled, split.client_labeled))
+    total = int(labels.numel())
     lines = [
         f"partition: method={split.method} scenario={split.scenario} clients={split.num_clients} "
         f"classes={split.num_classes}",
         f"server labeled: {_size(split.server_labeled)}   server validation: {_size(split.server_val)}",
-        f"train samples: {int(labels.numel())}   assigned: {assigned}   unassigned: {int(labels.numel()) - assigned}",
+        f"train samples: {total}   assigned: {assigned}   unassigned: {total - assigned}",
     ]
     r_line = f"non-iid level R (Zhang et al. Eq. 1), measured: {split.measured_r(labels):.4f}"
     if split.requested_r is not None:
@@ -40,7 +41,9 @@ def _table_lines(split: Split, labels: torch.Tensor, class_names: list[str]) -> 
     lines = [head, "-" * len(head)]
     for k in range(split.num_clients):
         counts = " ".join(f"{int(v):>{width}}" for v in hist[k])
-        lines.append(f"{k:>6} {_size(split.client_unlabeled[k]):>7} {_size(split.client_labeled[k]):>6} | {counts}")
+        lines.append(
+            f"{k:>6} {_size(split.client_unlabeled[k]):>7} {_size(split.client_labeled[k]):>6} | {counts}"
+        )
     return lines
 
 
