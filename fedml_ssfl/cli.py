@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(part)
     part.add_argument("--out", help="heat-map PNG path (default: <run dir>/partition.png)")
+
+    export = sub.add_parser("export", help="a trained run or checkpoint to ONNX (+ .ort, int8) for edge devices")
+    add_export_arguments(export)
     return parser
 
 
@@ -135,7 +138,19 @@ def cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "partition": cmd_partition}
+def cmd_export(args: argparse.Namespace) -> int:
+    from mobile_export.export import run_export_from_args
+
+    return run_export_from_args(args)
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    from mobile_export.export import add_export_arguments as add
+
+    add(parser)
+
+
+COMMANDS = {"run": cmd_run, "partition": cmd_partition, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

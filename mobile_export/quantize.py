@@ -85,7 +85,13 @@ def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_imag
         What was done: formats, calibration size, nodes kept in float, quantized op counts.
     """
     import onnx
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     if len(calibration_images) == 0:

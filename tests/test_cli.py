@@ -14,9 +14,12 @@ def sets(*items):
 
 
 def test_run_prints_server_only_beside_the_method(tmp_path, capsys):
-    args = sets(*[s for s in SMALL if not s.startswith("common_args.compare_with")],
-                "common_args.compare_with=[server_only]", f"common_args.output_dir={tmp_path}",
-                "train_args.comm_round=1")
+    args = sets(
+        *[s for s in SMALL if not s.startswith("common_args.compare_with")],
+        "common_args.compare_with=[server_only]",
+        f"common_args.output_dir={tmp_path}",
+        "train_args.comm_round=1",
+    )
     assert main(["run", *args]) == 0
     out = capsys.readouterr().out
     assert "server_only" in out and "fedavg_ssl" in out and "same split" in out
@@ -33,8 +36,14 @@ def test_config_typo_exits_2_and_names_the_key(tmp_path, capsys):
 
 def test_partition_reports_r_and_saves_heatmap(tmp_path, capsys):
     out_png = tmp_path / "part.png"
-    code = main(["partition", *sets("data_args.partition_method=r", "data_args.non_iid_r=0.6",
-                                    "train_args.client_num_in_total=10"), "--out", str(out_png)])
+    code = main(
+        [
+            "partition",
+            *sets("data_args.partition_method=r", "data_args.non_iid_r=0.6", "train_args.client_num_in_total=10"),
+            "--out",
+            str(out_png),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "0.6" in text and "measured" in text
@@ -44,3 +53,14 @@ def test_partition_reports_r_and_saves_heatmap(tmp_path, capsys):
 def test_print_config_shows_resolved_yaml(capsys):
     assert main(["run", "--print-config", "--set", "train_args.comm_round=4"]) == 0
     assert "comm_round: 4" in capsys.readouterr().out
+
+
+def test_export_subcommand_writes_a_verified_onnx_model(tmp_path, capsys):
+    args = sets(*SMALL, f"common_args.output_dir={tmp_path}", "train_args.comm_round=1")
+    assert main(["run", *args]) == 0
+    run_dir = tmp_path / "mnist5k_fedavg_ssl"
+    out = tmp_path / "edge"
+    assert main(["export", str(run_dir), "--out", str(out), "--no-int8"]) == 0
+    report = __import__("json").loads((out / "export_report.json").read_text())
+    assert report["status"] == "ok", report
+    assert main(["export", str(tmp_path / "missing"), "--out", str(out)]) == 1

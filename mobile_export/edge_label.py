@@ -1,0 +1,416 @@
+"""On-device pseudo-labeling with an exported fedml_ssfl model: numpy and onnxruntime only.
+
+Copy this one file and a ``model.onnx`` / ``model.ort`` (or ``model.int8.*``) to a device, then::
+
+    python edge_label.py model.int8.ort unlabeled.npy --out labels/
+    python edge_label.py model.int8.ort photos/ --out labels/ --ensemble-state ensemble.npz
+
+Input: a ``.npy`` batch of uint8 images ``(N, C, H, W)``, a ``.npz`` with ``images`` (and
+optionally ``ids``), or a folder of image files (PNG/JPEG/..., read with Pillow). Output, in
+``--out``: ``pseudo_labels.csv`` and ``pseudo_labels.jsonl`` (id, label, class name, confidence,
+mask; probabilities in the JSONL) and ``pseudo_labels.npz`` (the same as arrays, to feed back
+into training). Throughput is printed.
+
+Self-ensemble (FedSEAL, Bian et al. Eq. 8): with ``--ensemble-state FILE`` the runner keeps,
+per sample id, the running mean of the probabilities the sample received from successive
+model versions, ``p_t = p_{t-1} + (p(x; w_t) - p_{t-1}) / t``, and labels from that mean:
+label = argmax, confidence = max, mask = confidence >= threshold[label] (Eq. 9/10). Running the
+same model version twice does not count twice. The state is a small ``.npz`` (ids, mean
+probabilities, counts), written atomically.
+
+This module must not import torch (a test runs it where importing torch fails); the only
+optional dependency is Pillow, for image folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_TAG = "fedml_ssfl.edge/1"
+STATE_FORMAT = "fedml_ssfl.edge.ensemble/1"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm", ".pnm")
+OUTPUT_NAMES = ("probs", "label", "confidence", "mask")
+
+
+class EdgeInputError(ValueError):
+    """Input the model cannot take (shape, dtype, channels, thresholds, state file); says what it expects."""
+
+
+@dataclass
+class ModelInfo:
+    """What an exported model says about itself (its ONNX metadata)."""
+
+    path: Path
+    class_names: list[str]
+    channels: int
+    height: int
+    width: int
+    default_thresholds: list[float]
+    model_version: str
+    config_hash: str
+    precision: str
+    algorithm: str
+    round: int
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def expected(self) -> str:
+        return f"uint8 images of shape (N, {self.channels}, {self.height}, {self.width}) (N, C, H, W)"
+
+
+class EdgeLabeler:
+    """An exported edge model in an onnxruntime session.
+
+    Parameters
+    ----------
+    model_path : path
+        ``.onnx`` or ``.ort`` file written by ``mobile_export.export``.
+    threads : int
+        onnxruntime intra-op threads (0: its default, one per physical core).
+    """
+
+    def __init__(self, model_path: str | Path, threads: int = 0) -> None:
+        import onnxruntime as ort
+
+        path = Path(model_path)
+        if not path.is_file():
+            raise EdgeInputError(f"model file {path} does not exist")
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if meta.get("format") != FORMAT_TAG:
+            raise EdgeInputError(f"{path} is not a fedml_ssfl edge model (metadata 'format' is "
+                                 f"{meta.get('format')!r}, expected {FORMAT_TAG!r}); export it with mobile_export")
+        _, c, h, w = json.loads(meta["input_shape"])
+        self.info = ModelInfo(
+            path=path, class_names=json.loads(meta["class_names"]), channels=int(c), height=int(h), width=int(w),
+            default_thresholds=[float(v) for v in json.loads(meta["default_thresholds"])],
+            model_version=meta.get("model_version", ""), config_hash=meta.get("config_hash", ""),
+            precision=meta.get("precision", ""), algorithm=meta.get("algorithm", ""), round=int(meta.get("round", -1)),
+        )
+
+    def thresholds(self, values=None) -> np.ndarray:
+        """The model's default thresholds, or ``values`` (one tau for all classes, or one per class)."""
+        k = self.info.num_classes
+        if values is None:
+            return np.asarray(self.info.default_thresholds, dtype=np.float32)
+        arr = np.asarray(values, dtype=np.float64).reshape(-1)
+        if arr.size == 1:
+            arr = np.full(k, arr[0])
+        if arr.size != k:
+            raise EdgeInputError(f"thresholds: got {arr.size} values for a model with {k} classes; "
+                                 f"give one tau or {k} values, one per class")
+        if not np.all((arr >= 0) & (arr <= 1)):
+            raise EdgeInputError("thresholds: every value must lie in [0, 1]")
+        return arr.astype(np.float32)
+
+    def check_images(self, images, where: str = "images") -> np.ndarray:
+        """``images`` if they are what the model takes, else an error naming the expected input."""
+        arr = np.asarray(images)
+        info = self.info
+        want = (info.channels, info.height, info.width)
+        got = f"got {arr.dtype} array of shape {tuple(arr.shape)}"
+        if arr.ndim == 3 and info.channels == 1 and tuple(arr.shape[1:]) == want[1:]:
+            raise EdgeInputError(f"{where}: expected {info.expected}; {got}: add the channel axis, images[:, None]")
+        if arr.ndim != 4:
+            raise EdgeInputError(f"{where}: expected {info.expected}; {got}")
+        if tuple(arr.shape[1:]) != want:
+            hint = ""
+            if arr.shape[-1] == info.channels and tuple(arr.shape[1:3]) == want[1:]:
+                hint = ": channels-last (N, H, W, C) data; transpose with images.transpose(0, 3, 1, 2)"
+            elif arr.shape[1] != info.channels and tuple(arr.shape[2:]) == want[1:]:
+                hint = f": {arr.shape[1]} channels, the model takes {info.channels}"
+            raise EdgeInputError(f"{where}: expected {info.expected}; {got}{hint}")
+        if arr.dtype != np.uint8:
+            hint = ""
+            if np.issubdtype(arr.dtype, np.floating):
+                hint = " (floats in [0, 1]? use (images * 255).round().astype(np.uint8); the model normalizes itself)"
+            raise EdgeInputError(f"{where}: expected {info.expected}; {got}{hint}")
+        return np.ascontiguousarray(arr)
+
+    def predict(self, images: np.ndarray, thresholds=None, batch_size: int = 256) -> dict[str, np.ndarray]:
+        """Run the model in batches: ``probs`` (N, K), ``label``, ``confidence``, ``mask``, and ``seconds``."""
+        images = self.check_images(images)
+        thr = self.thresholds(thresholds)
+        if batch_size < 1:
+            raise EdgeInputError(f"batch size must be >= 1, got {batch_size}")
+        parts: list[list[np.ndarray]] = [[] for _ in OUTPUT_NAMES]
+        t = time.perf_counter()
+        for s in range(0, len(images), batch_size):
+            out = self.session.run(list(OUTPUT_NAMES), {"images": images[s : s + batch_size], "thresholds": thr})
+            for acc, arr in zip(parts, out):
+                acc.append(arr)
+        seconds = time.perf_counter() - t
+        k = self.info.num_classes
+        empty = (np.zeros((0, k), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, bool))
+        res = {name: (np.concatenate(p) if p else e) for name, p, e in zip(OUTPUT_NAMES, parts, empty)}
+        res["seconds"] = np.float64(seconds)
+        return res
+
+
+# ---------------------------------------------------------------------------------------------
+# reading images
+
+
+def load_images(
+    path: str | Path, labeler: EdgeLabeler | None = None, convert: bool = False
+) -> tuple[list[str], np.ndarray]:
+    """Read unlabeled images and their sample ids from a ``.npy`` / ``.npz`` batch or a folder of files.
+
+    Ids: ``<file name>#<index>`` for a batch (or the ``ids`` array of an ``.npz``), the path
+    relative to the folder for image files. They key the self-ensemble state, so keep them
+    stable from round to round.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise EdgeInputError(f"input {p} does not exist")
+    if p.is_dir():
+        if labeler is None:
+            raise EdgeInputError("reading an image folder needs the model (for the expected channels and size)")
+        return _load_folder(p, labeler.info, convert)
+    if p.suffix == ".npy":
+        images = np.load(p, allow_pickle=False)
+        ids = [f"{p.name}#{i}" for i in range(len(images))]
+    elif p.suffix == ".npz":
+        with np.load(p, allow_pickle=False) as data:
+            keys = list(data.keys())
+            key = "images" if "images" in keys else (keys[0] if len(keys) == 1 else None)
+            if key is None:
+                raise EdgeInputError(f"{p}: an .npz needs an 'images' array (found {', '.join(keys) or 'nothing'})")
+            images = data[key]
+            ids = [str(v) for v in data["ids"]] if "ids" in keys else [f"{p.name}#{i}" for i in range(len(images))]
+        if len(ids) != len(images):
+            raise EdgeInputError(f"{p}: 'ids' has {len(ids)} entries for {len(images)} images")
+    else:
+        raise EdgeInputError(f"input {p}: expected a .npy or .npz batch of uint8 (N, C, H, W) images, or a folder "
+                             f"of image files ({', '.join(IMAGE_SUFFIXES)})")
+    if len(set(ids)) != len(ids):
+        raise EdgeInputError(f"{p}: sample ids must be unique")
+    if labeler is not None:
+        images = labeler.check_images(images, where=str(p))
+    return ids, images
+
+
+def _load_folder(folder: Path, info: ModelInfo, convert: bool) -> tuple[list[str], np.ndarray]:
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise EdgeInputError(f"reading image files from {folder} needs Pillow (pip install pillow); "
+                             f"or pass a .npy/.npz batch of {info.expected}") from exc
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise EdgeInputError(f"{folder} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+    mode = "L" if info.channels == 1 else "RGB" if info.channels == 3 else None
+    if mode is None:
+        raise EdgeInputError(f"image files can feed 1- or 3-channel models; this one takes {info.channels} channels: "
+                             f"pass a .npy/.npz batch of {info.expected}")
+    out = np.empty((len(files), info.channels, info.height, info.width), dtype=np.uint8)
+    for i, f in enumerate(files):
+        with Image.open(f) as img:
+            if img.mode == "P" or (img.mode == "1" and mode == "L"):
+                img = img.convert("RGBA" if img.mode == "P" and "transparency" in img.info else mode)
+            if img.mode != mode:
+                if not convert:
+                    raise EdgeInputError(f"{f}: a {img.mode} image ({len(img.getbands())} channels), but the model "
+                                         f"takes {info.expected} ({mode}); pass --convert to convert to {mode}")
+                img = img.convert(mode)
+            if img.size != (info.width, info.height):
+                raise EdgeInputError(f"{f}: {img.size[0]}x{img.size[1]} pixels, but the model takes "
+                                     f"{info.width}x{info.height} ({info.expected}); resize the images first")
+            arr = np.asarray(img, dtype=np.uint8)
+        out[i] = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+    return [f.relative_to(folder).as_posix() for f in files], out
+
+
+# ---------------------------------------------------------------------------------------------
+# the on-device self-ensemble (FedSEAL Eq. 8)
+
+
+class EnsembleState:
+    """Per-sample running mean of probabilities over model versions, kept in a small ``.npz``."""
+
+    def __init__(self, class_names: list[str], config_hash: str) -> None:
+        self.class_names = list(class_names)
+        self.config_hash = config_hash
+        self.ids: list[str] = []
+        self.probs = np.zeros((0, len(class_names)), dtype=np.float64)
+        self.counts = np.zeros(0, dtype=np.int64)
+        self.versions: list[str] = []
+        self._index: dict[str, int] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, info: ModelInfo, reset: bool = False) -> EnsembleState:
+        """Read ``path`` (a fresh state when missing or ``reset``); refuse a state from another run or label set."""
+        state = cls(info.class_names, info.config_hash)
+        p = Path(path)
+        if reset or not p.is_file():
+            return state
+        try:
+            with np.load(p, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                ids, probs = [str(v) for v in data["ids"]], np.asarray(data["probs"], dtype=np.float64)
+                counts, versions = np.asarray(data["counts"], dtype=np.int64), [str(v) for v in data["versions"]]
+        except (OSError, KeyError, ValueError) as exc:
+            raise EdgeInputError(
+                f"ensemble state {p} is unreadable ({exc}); remove it or pass --reset-ensemble"
+            ) from exc
+        if meta.get("format") != STATE_FORMAT:
+            raise EdgeInputError(f"{p} is not an ensemble state file ({STATE_FORMAT})")
+        if meta.get("class_names") != info.class_names:
+            raise EdgeInputError(f"ensemble state {p} holds probabilities over other classes "
+                                 f"({meta.get('class_names')}); the model labels {info.class_names}")
+        if meta.get("config_hash") != info.config_hash:
+            raise EdgeInputError(
+                f"ensemble state {p} was built from run {meta.get('config_hash')}, this model comes from run "
+                f"{info.config_hash}; the self-ensemble averages one run's rounds. Use another state file or "
+                "pass --reset-ensemble")
+        state.ids, state.probs, state.counts, state.versions = ids, probs, counts, versions
+        state._index = {sid: i for i, sid in enumerate(ids)}
+        return state
+
+    def update(self, ids: list[str], probs: np.ndarray, version: str) -> tuple[np.ndarray, np.ndarray]:
+        """Fold one model version's probabilities in (Eq. 8); return the mean probabilities and counts for ``ids``."""
+        rows = np.array([self._index.get(sid, -1) for sid in ids], dtype=np.int64)
+        new = rows < 0
+        if new.any():
+            start = len(self.ids)
+            fresh = [sid for sid, is_new in zip(ids, new) if is_new]
+            self.ids.extend(fresh)
+            self.versions.extend([""] * len(fresh))
+            self._index.update({sid: start + i for i, sid in enumerate(fresh)})
+            self.probs = np.concatenate([self.probs, np.zeros((len(fresh), self.probs.shape[1]))])
+            self.counts = np.concatenate([self.counts, np.zeros(len(fresh), dtype=np.int64)])
+            rows[new] = np.arange(start, start + len(fresh))
+        seen = np.array([self.versions[r] == version for r in rows], dtype=bool)
+        todo = rows[~seen]
+        t = self.counts[todo] + 1
+        self.probs[todo] += (probs[~seen].astype(np.float64) - self.probs[todo]) / t[:, None]
+        self.counts[todo] = t
+        for r in todo:
+            self.versions[r] = version
+        return self.probs[rows].astype(np.float32), self.counts[rows].copy()
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (temporary file, then rename)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        meta = json.dumps({"format": STATE_FORMAT, "class_names": self.class_names, "config_hash": self.config_hash})
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, meta=np.array(meta), ids=np.array(self.ids, dtype=str), counts=self.counts,
+                         probs=self.probs.astype(np.float32), versions=np.array(self.versions, dtype=str))
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return p
+
+
+# ---------------------------------------------------------------------------------------------
+# the job
+
+
+def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, thresholds=None,
+                 batch_size: int = 256, ensemble_state: str | Path | None = None, reset_ensemble: bool = False,
+                 threads: int = 0, convert: bool = False) -> dict:
+    """Pseudo-label the images at ``source`` with ``model``; write CSV, JSONL and NPZ to ``out_dir``.
+
+    Returns
+    -------
+    dict
+        Summary: counts, mask rate, seconds, images per second, output paths.
+    """
+    labeler = EdgeLabeler(model, threads=threads)
+    ids, images = load_images(source, labeler, convert=convert)
+    thr = labeler.thresholds(thresholds)
+    res = labeler.predict(images, thr, batch_size=batch_size)
+    probs, label, conf, mask = res["probs"], res["label"], res["confidence"], res["mask"]
+    counts = None
+    if ensemble_state is not None:
+        state = EnsembleState.load(ensemble_state, labeler.info, reset=reset_ensemble)
+        probs, counts = state.update(ids, probs, labeler.info.model_version)
+        label = probs.argmax(axis=1).astype(np.int64)
+        conf = probs[np.arange(len(label)), label]
+        mask = conf >= thr[label]
+        state.save(ensemble_state)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = labeler.info.class_names
+    with open(out / "pseudo_labels.csv", "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        extra = ["ensemble_size"] if counts is not None else []
+        writer.writerow(["id", "label", "class_name", "confidence", "mask", *extra])
+        for i, sid in enumerate(ids):
+            row = [sid, int(label[i]), names[label[i]], f"{float(conf[i]):.6f}", int(mask[i])]
+            writer.writerow(row + ([int(counts[i])] if counts is not None else []))
+    with open(out / "pseudo_labels.jsonl", "w", encoding="utf-8") as fh:
+        for i, sid in enumerate(ids):
+            rec = {"id": sid, "label": int(label[i]), "class_name": names[label[i]],
+                   "confidence": round(float(conf[i]), 6), "mask": bool(mask[i]),
+                   "probs": [round(float(v), 6) for v in probs[i]]}
+            if counts is not None:
+                rec["ensemble_size"] = int(counts[i])
+                rec["model_label"] = int(res["label"][i])
+                rec["model_confidence"] = round(float(res["confidence"][i]), 6)
+            fh.write(json.dumps(rec) + "\n")
+    np.savez(out / "pseudo_labels.npz", ids=np.array(ids, dtype=str), label=label, confidence=conf, mask=mask,
+             probs=probs, thresholds=thr)
+    seconds = float(res["seconds"])
+    n = len(ids)
+    return {
+        "images": n, "passed_threshold": int(mask.sum()), "mask_rate": float(mask.mean()) if n else 0.0,
+        "seconds": seconds, "images_per_second": n / seconds if seconds > 0 else float("inf"),
+        "batch_size": batch_size, "model": str(model), "precision": labeler.info.precision,
+        "model_version": labeler.info.model_version, "ensemble": ensemble_state is not None,
+        "outputs": [str(out / f"pseudo_labels.{ext}") for ext in ("csv", "jsonl", "npz")],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="edge_label", description="Pseudo-label unlabeled images on device "
+                                     "with an exported fedml_ssfl model (numpy + onnxruntime only)")
+    parser.add_argument("model", help="model.onnx / model.ort / model.int8.ort from mobile_export")
+    parser.add_argument("input", help=".npy or .npz batch of uint8 (N, C, H, W) images, or a folder of image files")
+    parser.add_argument("--out", required=True, help="output directory for pseudo_labels.{csv,jsonl,npz}")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--threshold", dest="thresholds", type=float, nargs="+", metavar="TAU",
+                        help="one tau for every class, or one per class (default: the model's own)")
+    parser.add_argument("--ensemble-state", help="self-ensemble state file (.npz): label from the running mean of "
+                        "successive model versions' probabilities (FedSEAL Eq. 8)")
+    parser.add_argument("--reset-ensemble", action="store_true", help="start the ensemble state afresh")
+    parser.add_argument("--threads", type=int, default=0, help="onnxruntime threads (default: its own choice)")
+    parser.add_argument("--convert", action="store_true", help="convert image files to the model's color mode")
+    args = parser.parse_args(argv)
+    try:
+        s = label_images(args.model, args.input, args.out, thresholds=args.thresholds, batch_size=args.batch_size,
+                         ensemble_state=args.ensemble_state, reset_ensemble=args.reset_ensemble,
+                         threads=args.threads, convert=args.convert)
+    except EdgeInputError as exc:
+        print(f"edge_label: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"labeled {s['images']} images in {s['seconds']:.3f} s: {s['images_per_second']:.0f} images/s "
+          f"({s['precision']} model, batch {s['batch_size']}); {s['passed_threshold']} pass the threshold "
+          f"({100 * s['mask_rate']:.1f}%){', self-ensemble' if s['ensemble'] else ''}")
+    print(f"wrote {', '.join(s['outputs'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""mobile_export.edge_label: the on-device runner (numpy + onnxruntime only)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mobile_export import edge_label as el
+
+REPO = Path(__file__).resolve().parents[1]
+K = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two versions (rounds 3 and 4) of a small 1x8x8 model of the same run, and one of another run."""
+    import torch
+
+    from fedml_ssfl.models import build_model
+    from mobile_export.export import EdgeMetadata, export_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    images = np.random.default_rng(1).integers(0, 256, (32, 1, 8, 8), dtype=np.uint8)
+    paths = {}
+    for tag, seed, rnd, run in (("v3", 0, 3, "runA"), ("v4", 1, 4, "runA"), ("other", 2, 0, "runB")):
+        torch.manual_seed(seed)
+        net = build_model("cnn28", num_classes=K, in_channels=1, image_size=8, norm="gn")
+        with torch.no_grad():
+            net.fc.weight.mul_(3.0)  # confidences around the 0.6 threshold, so masks are mixed
+        meta = EdgeMetadata(class_names=["ant", "bee", "cat", "dog"], mean=[0.3], std=[0.4], in_channels=1,
+                            image_size=8, thresholds=[0.6], round=rnd, config_hash=run, model="cnn28", norm="gn")
+        out = tmp_path_factory.mktemp(tag)
+        export_model(net, out, meta, test_images=images, quantize=False)
+        paths[tag] = out / "model.ort"
+    torch.set_num_threads(before)
+    return paths
+
+
+@pytest.fixture()
+def batch(tmp_path) -> Path:
+    path = tmp_path / "unlabeled.npy"
+    np.save(path, np.random.default_rng(7).integers(0, 256, (40, 1, 8, 8), dtype=np.uint8))
+    return path
+
+
+def _rows(out: Path) -> list[dict]:
+    with open(out / "pseudo_labels.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _jsonl(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "pseudo_labels.jsonl").read_text().splitlines()]
+
+
+def test_runs_where_torch_cannot_be_imported(models, batch, tmp_path):
+    blocker = tmp_path / "no_torch"
+    (blocker / "torch").mkdir(parents=True)
+    (blocker / "torch" / "__init__.py").write_text("raise ImportError('torch is not on this device')\n")
+    script = (
+        "import sys\n"
+        "try:\n    import torch\nexcept ImportError:\n    pass\nelse:\n    sys.exit('torch imported')\n"
+        "from mobile_export.edge_label import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "loaded = [m for m in sys.modules if (m == 'torch' or m.startswith('torch.')) and sys.modules[m]]\n"
+        "assert not loaded, loaded\n"
+        "sys.exit(rc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)])}
+    out = tmp_path / "labels"
+    proc = subprocess.run([sys.executable, "-c", script, str(models["v4"]), str(batch), "--out", str(out),
+                           "--batch-size", "16"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "images/s" in proc.stdout and "labeled 40 images" in proc.stdout
+    assert len(_rows(out)) == 40 and len(_jsonl(out)) == 40
+
+
+def test_labels_confidence_and_mask_match_the_model(models, batch, tmp_path):
+    labeler = el.EdgeLabeler(models["v4"])
+    images = np.load(batch)
+    ref = labeler.predict(images, batch_size=7)  # default thresholds from metadata: 0.6 for every class
+    summary = el.label_images(models["v4"], batch, tmp_path, batch_size=16)
+    rows, recs = _rows(tmp_path), _jsonl(tmp_path)
+    assert [r["id"] for r in rows] == [f"unlabeled.npy#{i}" for i in range(40)]
+    np.testing.assert_array_equal([int(r["label"]) for r in rows], ref["label"])
+    np.testing.assert_array_equal([r["mask"] == "1" for r in rows], ref["mask"])
+    np.testing.assert_allclose([float(r["confidence"]) for r in rows], ref["confidence"], atol=1e-6)
+    assert [r["class_name"] for r in rows] == [["ant", "bee", "cat", "dog"][i] for i in ref["label"]]
+    np.testing.assert_allclose([rec["probs"] for rec in recs], ref["probs"], atol=1e-6)
+    np.testing.assert_array_equal(ref["mask"], ref["confidence"] >= 0.6)
+    assert 0 < ref["mask"].sum() < 40  # mixed, so the threshold is exercised
+    assert summary["images"] == 40 and summary["images_per_second"] > 0
+    with np.load(tmp_path / "pseudo_labels.npz") as npz:
+        np.testing.assert_array_equal(npz["label"], ref["label"])
+    # one tau broadcast, or one per class
+    el.label_images(models["v4"], batch, tmp_path / "t", thresholds=[0.0])
+    assert all(r["mask"] == "1" for r in _rows(tmp_path / "t"))
+    el.label_images(models["v4"], batch, tmp_path / "c", thresholds=[1.0, 0.0, 1.0, 0.0])
+    assert all((r["mask"] == "1") == (int(r["label"]) in (1, 3)) for r in _rows(tmp_path / "c"))
+
+
+def test_self_ensemble_is_the_running_mean_over_model_versions(models, batch, tmp_path):
+    images = np.load(batch)
+    p3 = el.EdgeLabeler(models["v3"]).predict(images)["probs"]
+    p4 = el.EdgeLabeler(models["v4"]).predict(images)["probs"]
+    state = tmp_path / "ensemble.npz"
+    el.label_images(models["v3"], batch, tmp_path / "r3", ensemble_state=state)
+    el.label_images(models["v4"], batch, tmp_path / "r4", ensemble_state=state)
+    recs = _jsonl(tmp_path / "r4")
+    mean = (p3 + p4) / 2  # Eq. 8 after two versions
+    np.testing.assert_allclose([r["probs"] for r in recs], mean, atol=1e-5)
+    assert [r["label"] for r in recs] == list(mean.argmax(1))
+    assert [r["model_label"] for r in recs] == list(p4.argmax(1))
+    assert all(r["ensemble_size"] == 2 for r in recs)
+    thr = 0.6
+    assert [r["mask"] for r in recs] == list(mean.max(1) >= thr)
+    # the same version again does not count twice; new samples start their own mean
+    more = tmp_path / "more.npz"
+    new_images = np.concatenate([images, np.random.default_rng(9).integers(0, 256, (3, 1, 8, 8), dtype=np.uint8)])
+    np.savez(more, images=new_images, ids=np.array([f"unlabeled.npy#{i}" for i in range(43)]))
+    el.label_images(models["v4"], more, tmp_path / "again", ensemble_state=state)
+    again = _jsonl(tmp_path / "again")
+    assert [r["ensemble_size"] for r in again] == [2] * 40 + [1] * 3
+    np.testing.assert_allclose([r["probs"] for r in again[:40]], mean, atol=1e-5)
+    # a model from another run is refused, unless the state is reset
+    with pytest.raises(el.EdgeInputError, match="another state file|--reset-ensemble"):
+        el.label_images(models["other"], batch, tmp_path / "x", ensemble_state=state)
+    el.label_images(models["other"], batch, tmp_path / "y", ensemble_state=state, reset_ensemble=True)
+    assert all(r["ensemble_size"] == 1 for r in _jsonl(tmp_path / "y"))
+
+
+def test_image_folder_input(models, tmp_path):
+    from PIL import Image
+
+    images = np.random.default_rng(3).integers(0, 256, (5, 1, 8, 8), dtype=np.uint8)
+    folder = tmp_path / "photos"
+    (folder / "sub").mkdir(parents=True)
+    for i, img in enumerate(images):
+        Image.fromarray(img[0]).save(folder / ("sub" if i % 2 else ".") / f"img{i}.png")
+    ids, loaded = el.load_images(folder, el.EdgeLabeler(models["v4"]))
+    assert ids == ["img0.png", "img2.png", "img4.png", "sub/img1.png", "sub/img3.png"]
+    np.testing.assert_array_equal(loaded, images[[0, 2, 4, 1, 3]])
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(folder / "rgb.png")
+    with pytest.raises(el.EdgeInputError, match=r"RGB image .*\(N, 1, 8, 8\).*--convert"):
+        el.label_images(models["v4"], folder, tmp_path / "o")
+    el.label_images(models["v4"], folder, tmp_path / "o", convert=True)
+    assert len(_rows(tmp_path / "o")) == 6
+    Image.fromarray(np.zeros((9, 8), np.uint8)).save(folder / "tall.png")
+    with pytest.raises(el.EdgeInputError, match=r"8x9 pixels.*8x8"):
+        el.label_images(models["v4"], folder, tmp_path / "o", convert=True)
+
+
+@pytest.mark.parametrize(("array", "hint"), [
+    (np.zeros((3, 1, 8, 8), np.float32), "astype"),
+    (np.zeros((3, 3, 8, 8), np.uint8), "3 channels, the model takes 1"),
+    (np.zeros((3, 8, 8, 1), np.uint8), "channels-last"),
+    (np.zeros((3, 8, 8), np.uint8), r"images\[:, None\]"),
+    (np.zeros((3, 1, 16, 16), np.uint8), "got uint8 array of shape"),
+])
+def test_wrong_input_is_refused_naming_the_expected_input(models, tmp_path, array, hint):
+    path = tmp_path / "bad.npy"
+    np.save(path, array)
+    with pytest.raises(el.EdgeInputError, match=r"expected uint8 images of shape \(N, 1, 8, 8\)") as err:
+        el.label_images(models["v4"], path, tmp_path / "out")
+    assert re.search(hint, str(err.value))
+
+
+def test_cli_errors_and_thresholds(models, batch, tmp_path, capsys):
+    assert el.main([str(models["v4"]), str(batch), "--out", str(tmp_path), "--threshold", "0.5", "0.5"]) == 2
+    assert "got 2 values for a model with 4 classes" in capsys.readouterr().err
+    assert el.main([str(models["v4"]), str(tmp_path / "missing.npy"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    text = tmp_path / "labels.txt"
+    text.write_text("x")
+    assert el.main([str(models["v4"]), str(text), "--out", str(tmp_path)]) == 2
+    assert ".npy or .npz" in capsys.readouterr().err
+    assert el.main([str(models["v4"]), str(batch), "--out", str(tmp_path / "ok"), "--threads", "1"]) == 0
+    assert "images/s" in capsys.readouterr().out
