@@ -1,10 +1,11 @@
 """Model layer: a registry of image classifiers built by name.
 
-Importing this package registers every model (``resnet18``, ``cnn28``, ``emnist_cnn``).
+Importing this package registers every model (``resnet18``; ``cnn28`` and ``emnist_cnn``;
+``wrn28_2`` and ``wrn28_8``).
 
 >>> from fedml_ssfl.models import available_models, build_model
->>> available_models()
-['cnn28', 'emnist_cnn', 'resnet18']
+>>> {"cnn28", "emnist_cnn", "resnet18"} <= set(available_models())
+True
 >>> net = build_model("resnet18", num_classes=10, in_channels=3, image_size=32, norm="gn")
 
 Every model takes normalised float images (N, C, H, W), returns logits (N, num_classes),
@@ -13,8 +14,7 @@ and has its classifier layer at ``model.fc`` (see :func:`classifier_prefix`).
 
 from __future__ import annotations
 
-from . import cnn, resnet  # noqa: F401  (imported for their @register_model side effects)
-from . import wrn  # noqa: F401
+from . import cnn, resnet, wrn  # noqa: F401  (imported for their @register_model side effects)
 from .norm import NORM_KINDS, make_norm
 from .registry import (
     ModelSpec,
