@@ -30,8 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     exe = shutil.which("fedml-ssfl", path=str(Path(sys.executable).parent)) or "fedml-ssfl"
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        cmd = [exe, "run", "--set", f"common_args.output_dir={tmp}", "--set", "tracking_args.progress_bar=false",
-               "--set", f"device_args.num_threads={args.threads}"]
+        cmd = [
+            exe,
+            "run",
+            "--set",
+            f"common_args.output_dir={tmp}",
+            "--set",
+            "tracking_args.progress_bar=false",
+            "--set",
+            f"device_args.num_threads={args.threads}",
+        ]
         t0 = time.perf_counter()
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0

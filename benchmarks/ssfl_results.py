@@ -78,21 +78,29 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             res = run_local(cfg)
             s = res.summary
-            rows.append({
-                "row": label, "algorithm": name, "overrides": extra + args.overrides,
-                "final_acc": res.final_acc, "best_acc": res.best_acc,
-                "bytes_up_per_round": s["bytes_up_per_round"], "bytes_down_per_round": s["bytes_down_per_round"],
-                "seconds_per_round": s["seconds_per_round"], "wall_seconds": time.perf_counter() - t0,
-                "rounds": s["rounds_completed"],
-            })
+            rows.append(
+                {
+                    "row": label,
+                    "algorithm": name,
+                    "overrides": extra + args.overrides,
+                    "final_acc": res.final_acc,
+                    "best_acc": res.best_acc,
+                    "bytes_up_per_round": s["bytes_up_per_round"],
+                    "bytes_down_per_round": s["bytes_down_per_round"],
+                    "seconds_per_round": s["seconds_per_round"],
+                    "wall_seconds": time.perf_counter() - t0,
+                    "rounds": s["rounds_completed"],
+                }
+            )
             print(f"{label}: {100 * res.final_acc:.2f}% in {rows[-1]['wall_seconds']:.0f} s", flush=True)
     cfg = load_config(None, args.overrides)
     meta = {
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
         "settings": f"{cfg.data_args.dataset}, {cfg.data_args.num_server_labels} server labels, "
-                    f"K={cfg.train_args.client_num_in_total}, C_k={cfg.train_args.client_num_per_round}, "
-                    f"{cfg.train_args.comm_round} rounds of T={cfg.train_args.local_steps}, "
-                    f"{cfg.model_args.model}-{cfg.model_args.norm}, seed {cfg.common_args.random_seed}",
+        f"K={cfg.train_args.client_num_in_total}, C_k={cfg.train_args.client_num_per_round}, "
+        f"{cfg.train_args.comm_round} rounds of T={cfg.train_args.local_steps}, "
+        f"{cfg.model_args.model}-{cfg.model_args.norm}, seed {cfg.common_args.random_seed}",
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")

@@ -64,8 +64,10 @@ def test_weight_diversity_by_hand():
 
 def test_weight_diversity_restricted_to_keys():
     before = {"a": torch.zeros(1), "fc.weight": torch.zeros(1)}
-    after = [{"a": torch.tensor([5.0]), "fc.weight": torch.tensor([1.0])},
-             {"a": torch.tensor([-5.0]), "fc.weight": torch.tensor([1.0])}]
+    after = [
+        {"a": torch.tensor([5.0]), "fc.weight": torch.tensor([1.0])},
+        {"a": torch.tensor([-5.0]), "fc.weight": torch.tensor([1.0])},
+    ]
     assert weight_diversity(before, after, ["fc.weight"]) == pytest.approx(0.5)
 
 

@@ -39,7 +39,10 @@ def test_unknown_algorithm_suggests_closest():
         ({"train_args": {"comm_round": "ten"}}, r"train_args\.comm_round: expected an integer"),
         ({"train_args": {"learning_rate": "fast"}}, r"train_args\.learning_rate: expected a number"),
         ({"tracking_args": {"progress_bar": "yes"}}, r"progress_bar: expected true or false"),
-        ({"data_args": {"non_iid_r": 1.5}}, r"data_args\.non_iid_r: 1\.5 is out of range; it must be >= 0\.0 and <= 1\.0"),
+        (
+            {"data_args": {"non_iid_r": 1.5}},
+            r"data_args\.non_iid_r: 1\.5 is out of range; it must be >= 0\.0 and <= 1\.0",
+        ),
         ({"train_args": {"comm_round": 0}}, r"train_args\.comm_round: 0 is out of range"),
         ({"device_args": {"device": "tpu"}}, r"device_args\.device: 'tpu' is not allowed; choose one of cpu, cuda"),
         ({"data_args": {"partition_method": "noniid"}}, r"partition_method.*iid, r, dirichlet, shards"),

@@ -32,8 +32,9 @@ def test_sampler_is_seeded_and_picks_ck_of_k():
 
 
 def test_run_writes_every_output(small_config, tmp_path):
-    cfg = small_config("tracking_args.enable_tensorboard=true", "validation_args.frequency_of_the_test=2",
-                       "train_args.comm_round=3")
+    cfg = small_config(
+        "tracking_args.enable_tensorboard=true", "validation_args.frequency_of_the_test=2", "train_args.comm_round=3"
+    )
     res = run_local(cfg, run_dir=tmp_path / "run")
     d = res.run_dir
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
@@ -62,7 +63,9 @@ def test_a_new_run_never_overwrites_an_old_one(small_config, tmp_path):
 
 @pytest.mark.parametrize("averaging", ["fedavg", "grouping"])
 def test_resume_ends_with_the_uninterrupted_model(small_config, tmp_path, averaging):
-    cfg = small_config("train_args.comm_round=4", "train_args.client_num_per_round=3", f"ssfl_args.averaging={averaging}")
+    cfg = small_config(
+        "train_args.comm_round=4", "train_args.client_num_per_round=3", f"ssfl_args.averaging={averaging}"
+    )
     full = run_local(cfg, run_dir=tmp_path / "full")
     part = run_local(cfg, run_dir=tmp_path / "part", stop_after=2)
     assert part.summary["status"] == "stopped" and part.rounds_completed == 2
