@@ -1,0 +1,269 @@
+"""What both runtimes share: a round's server halves, evaluation, logging, checkpoints, summary.
+
+The local simulator (:mod:`.local`) and the FedML runtime (:mod:`.fedml_backend`) drive a round
+the same way:
+
+1. :func:`start_round` -- the seeded sampler picks the C_k clients, the server takes its own
+   step, and one message per chosen client is built (bytes counted by ``message_nbytes``);
+2. the clients update (in this process, or in FedML worker processes);
+3. :func:`finish_round` -- the algorithm aggregates the replies and the round's metrics row is
+   built;
+4. :meth:`RunRecorder.record` -- ``finalize`` after the last round, evaluation, metrics.jsonl /
+   TensorBoard, and an atomic checkpoint.
+
+Keeping these pieces in one place is what makes the two runtimes end with the same model and
+the same outputs for the same config.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..algorithms.base import Message, message_nbytes
+from ..checkpoint import save_checkpoint
+from ..config import ExperimentConfig, save_config
+from ..experiment import Experiment
+from ..metrics import evaluate
+from ..sampling import sample_clients
+from ..tracking import RunTracker
+from ..training import cosine_lr
+
+CHECKPOINT_NAME = "last.pt"
+
+
+@dataclass
+class RunResult:
+    """What a finished (or stopped) run reports."""
+
+    run_dir: Path
+    algorithm: str
+    final_acc: float
+    best_acc: float
+    rounds_completed: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class RunFailed(RuntimeError):
+    """A run stopped on an error; the message says where, and what was kept."""
+
+
+def fresh_run_dir(base: Path) -> Path:
+    """``base`` if free, else ``base-2``, ``base-3``, ...: a new run never overwrites an old one."""
+    if not base.exists() or not any(base.iterdir()):
+        return base
+    n = 2
+    while (base.parent / f"{base.name}-{n}").exists():
+        n += 1
+    return base.parent / f"{base.name}-{n}"
+
+
+def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:
+    """Average the clients' diagnostic metrics (``extras["metrics"]``) key by key."""
+    sums: dict[str, list[float]] = {}
+    for msg in replies.values():
+        for k, v in msg.extras.get("metrics", {}).items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                sums.setdefault(k, []).append(float(v))
+    return {f"client_{k}": sum(v) / len(v) for k, v in sums.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# one round, server side
+
+
+@dataclass
+class RoundStart:
+    """The server's first half of a round: who takes part and what each is sent."""
+
+    round_idx: int
+    chosen: list[int]
+    messages: dict[int, Message]
+    bytes_down: int
+    t0: float
+
+
+def start_round(exp: Experiment, r: int) -> RoundStart:
+    """Sample the round's clients, run the server step, build one message per chosen client."""
+    cfg, algo = exp.config, exp.algorithm
+    t0 = time.perf_counter()
+    chosen = sample_clients(
+        cfg.common_args.random_seed,
+        r,
+        cfg.train_args.client_num_in_total,
+        cfg.train_args.client_num_per_round,
+    )
+    algo.server_step(r)
+    messages = {k: algo.message_for(k, r) for k in chosen}
+    down = sum(message_nbytes(m) for m in messages.values())
+    return RoundStart(round_idx=r, chosen=chosen, messages=messages, bytes_down=down, t0=t0)
+
+
+def finish_round(
+    exp: Experiment, start: RoundStart, replies: dict[int, Message], bytes_up: int, **extra: Any
+) -> dict[str, Any]:
+    """Aggregate the replies; return the round's metrics row (without test accuracy).
+
+    ``extra`` entries (e.g. a runtime's transport counters) go into the row before ``seconds``.
+    """
+    algo, r = exp.algorithm, start.round_idx
+    metrics = algo.aggregate(replies, r)
+    train = algo.train
+    return {
+        "round": r,
+        "clients": len(start.chosen),
+        "bytes_up": bytes_up,
+        "bytes_down": start.bytes_down,
+        "lr": cosine_lr(train, r * train.local_steps),
+        **mean_client_metrics(replies),
+        **metrics,
+        **extra,
+        "seconds": time.perf_counter() - start.t0,
+    }
+
+
+def is_eval_round(cfg: ExperimentConfig, r: int, end: int) -> bool:
+    """Evaluate every ``frequency_of_the_test`` rounds, after the last round, and where a run stops."""
+    return (
+        (r + 1) % cfg.validation_args.frequency_of_the_test == 0 or r == cfg.train_args.comm_round - 1 or r == end - 1
+    )
+
+
+def is_checkpoint_round(cfg: ExperimentConfig, r: int, end: int) -> bool:
+    """Checkpoint every ``checkpoint_every`` rounds, after the last round, and where a run stops."""
+    return (r + 1) % cfg.tracking_args.checkpoint_every == 0 or r == cfg.train_args.comm_round - 1 or r == end - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# a run's outputs
+
+
+class RunRecorder:
+    """Evaluation, metrics.jsonl / TensorBoard, checkpoints and summary.json for one run.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's config (its fingerprint goes into every checkpoint).
+    exp : Experiment
+        The built experiment; its algorithm's server side must be set up.
+    run_dir : Path
+        The output folder.
+    resume_state : dict, optional
+        A loaded checkpoint to continue from (the algorithm state is restored here).
+    totals_keys : tuple of str
+        Row keys summed over the run (and kept in checkpoints).
+    """
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        exp: Experiment,
+        run_dir: Path,
+        resume_state: dict[str, Any] | None = None,
+        totals_keys: tuple[str, ...] = ("bytes_up", "bytes_down", "seconds"),
+    ) -> None:
+        self.cfg, self.exp, self.run_dir = cfg, exp, Path(run_dir)
+        self.ckpt_path = self.run_dir / "checkpoints" / CHECKPOINT_NAME
+        self.totals: dict[str, float] = {k: 0.0 if k == "seconds" else 0 for k in totals_keys}
+        self.start = 0
+        if resume_state is not None:
+            exp.algorithm.load_state_dict(resume_state["algorithm"])
+            self.start = resume_state["round"] + 1
+            self.totals.update(resume_state["totals"])
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.tracker = RunTracker(
+            self.run_dir,
+            cfg.tracking_args.enable_tensorboard,
+            resume_round=self.start - 1 if resume_state is not None else None,
+        )
+        self.measured_r = exp.split.measured_r(exp.dataset.train_labels)
+        evals = [r["test_acc"] for r in self.tracker.rows if r.get("test_acc") is not None]
+        self.best = max(evals, default=float("nan"))
+        self.last_acc = evals[-1] if evals else float("nan")
+
+    def record(self, r: int, row: dict[str, Any], end: int, client_states: dict[int, dict]) -> float | None:
+        """Close round ``r``: totals, ``finalize`` after the last round, evaluation, log, checkpoint.
+
+        Returns the test accuracy when the round was evaluated, else None.
+        """
+        cfg, algo = self.cfg, self.exp.algorithm
+        for k in self.totals:
+            self.totals[k] += row.get(k, 0)
+        if r == cfg.train_args.comm_round - 1:
+            algo.finalize()
+        acc = None
+        if is_eval_round(cfg, r, end):
+            ev = evaluate(
+                algo.global_model(),
+                self.exp.dataset.test_images,
+                self.exp.dataset.test_labels,
+                self.exp.data_info,
+                self.exp.device,
+                cfg.validation_args.eval_batch_size,
+            )
+            row["test_acc"], row["test_loss"] = ev["acc"], ev["loss"]
+            acc = self.last_acc = ev["acc"]
+            self.best = acc if math.isnan(self.best) else max(self.best, acc)
+        self.tracker.log_round(row)
+        if is_checkpoint_round(cfg, r, end):
+            save_checkpoint(
+                self.ckpt_path,
+                {
+                    "round": r,
+                    "fingerprint": cfg.fingerprint(),
+                    "algorithm_name": cfg.algorithm,
+                    "algorithm": algo.state_dict(),
+                    "client_states": client_states,
+                    "totals": self.totals,
+                },
+            )
+        return acc
+
+    def fail(self, error: BaseException | str) -> RunFailed:
+        """Write a ``failed`` summary; return the :class:`RunFailed` to raise (names the checkpoint)."""
+        self.tracker.write_summary({"status": "failed", "error": str(error), "run_dir": str(self.run_dir)})
+        kept = self.ckpt_path if self.ckpt_path.exists() else "none yet"
+        return RunFailed(f"{error} Last good checkpoint: {kept}")
+
+    def close(self) -> None:
+        self.tracker.close()
+
+    def result(self, status: str, **extra: Any) -> RunResult:
+        """Plots and summary.json for a completed or stopped run; the :class:`RunResult`."""
+        cfg, totals = self.cfg, self.totals
+        done = len(self.tracker.rows)
+        summary = {
+            "status": status,
+            "algorithm": cfg.algorithm,
+            "dataset": cfg.data_args.dataset,
+            "model": f"{cfg.model_args.model}-{cfg.model_args.norm}",
+            "rounds_completed": done,
+            "comm_round": cfg.train_args.comm_round,
+            "final_test_acc": self.last_acc,
+            "best_test_acc": self.best,
+            "bytes_up_total": totals["bytes_up"],
+            "bytes_down_total": totals["bytes_down"],
+            "bytes_up_per_round": totals["bytes_up"] / max(done, 1),
+            "bytes_down_per_round": totals["bytes_down"] / max(done, 1),
+            "seconds_total": totals["seconds"],
+            "seconds_per_round": totals["seconds"] / max(done, 1),
+            "measured_non_iid_r": self.measured_r,
+            "config_fingerprint": cfg.fingerprint(),
+            "run_dir": str(self.run_dir),
+            **extra,
+        }
+        if self.tracker.rows:
+            self.tracker.plot()
+        self.tracker.write_summary(summary)
+        return RunResult(
+            run_dir=self.run_dir,
+            algorithm=cfg.algorithm,
+            final_acc=self.last_acc,
+            best_acc=self.best,
+            rounds_completed=done,
+            summary=summary,
+        )

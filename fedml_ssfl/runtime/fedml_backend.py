@@ -1,0 +1,1474 @@
+"""The FedML runtime: any registered algorithm as a FedML cross-silo server and clients.
+
+``fedml-ssfl run --cf CONFIG`` with ``comm_args.backend: MPI`` (under ``mpirun -np C_k+1``) or
+``GRPC`` (one process per host, ``--rank N --role server|client``) lands in :func:`run_fedml`.
+FedML 0.9.6 honours custom trainers only in ``training_type: cross_silo`` (see
+docs/deploy.md); there rank 0 is the server and ranks 1..C_k are workers, and FedML's server
+manager tells each worker, every round, which data silo (client id) it trains.
+
+How the pieces map onto FedML
+-----------------------------
+* :class:`ServerRuntime` (no FedML in it) is the server half of a round:
+  :meth:`~ServerRuntime.begin_round` samples the C_k silos with the ONE seeded sampler
+  (:func:`fedml_ssfl.sampling.sample_clients`, via :func:`.common.start_round`), runs the
+  algorithm's server step and ``message_for`` each silo, and returns one payload per silo;
+  :meth:`~ServerRuntime.finish_round` checks the replies, calls ``aggregate`` and records
+  the round exactly as the local runtime does (:class:`.common.RunRecorder`).
+* FedML's ``ServerAggregator`` subclass returns those payloads as a plain ``dict`` keyed by silo
+  id -- FedML then sends each worker its own entry (group models, thresholds, helper weights all
+  travel this way). Its ``FedMLAggregator`` subclass routes silos to workers
+  (``data_silo_selection``) following the runtime's plan.
+* FedML's ``ClientTrainer`` subclass hands each payload to a :class:`ClientWorker`, which calls
+  the algorithm's ``client_update`` on the silo named in the payload.
+
+Per-silo client state
+---------------------
+``client_update`` mutates a persistent per-client ``state`` dict (EMA nets, ensembles,
+sigma/psi). When K > C_k a worker serves different silos across rounds, so state belongs to the
+silo, not the process. Each worker caches the states of the silos it served, tagged with the
+round they were last updated; the server keeps the authoritative copy of every silo's state
+(what checkpoints store, in the local runtime's format). Silos are routed back to the worker that
+holds their newest state when possible (:func:`assign_silos`); when a silo moves, its state is
+fetched from its holder the round before (``upload`` requests) and shipped with the payload.
+At checkpoint rounds every stale state is uploaded, so checkpoints are complete and ``--resume``
+works across any routing. State bytes are counted apart from the algorithm's message bytes.
+
+Faults
+------
+A client whose ``client_update`` raises replies with the error; the server stops the run at
+once naming the rank and the silo, writes ``summary.json`` (``failed``), tells the workers to
+finish and exits non-zero; the last checkpoint is untouched (atomic writes). A worker process
+that dies: under ``mpirun`` the launcher terminates the job and the server records which ranks
+and silos it was waiting for; under GRPC the server probes outstanding workers and fails the run
+when one is unreachable. A round with no complete reply within ``FEDML_SSFL_ROUND_TIMEOUT``
+seconds fails the same way. A malformed reply (unknown or missing keys, wrong shapes, NaN/inf)
+is refused with a warning naming rank, silo and reason, and counts as an empty reply (the
+algorithms already handle clients with nothing to send) unless the algorithm sets
+``requires_all_replies = True``.
+
+Offline
+-------
+FedML's cloud config fetch is replaced before ``fedml.init``, MLOps and wandb stay off, FedML's
+network diagnostics are skipped, and :mod:`.offline` refuses any socket outside loopback and the
+configured GRPC peers.
+
+Only this module imports ``fedml``, ``mpi4py`` and ``grpc``, inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import functools
+import io
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from ..algorithms.base import ClientContext, Message, message_nbytes
+from ..checkpoint import load_checkpoint
+from ..config import ConfigError, ExperimentConfig
+from ..data import ImageDataset
+from ..experiment import Experiment, build_experiment
+from ..sampling import sample_clients
+from . import offline
+from .common import (
+    CHECKPOINT_NAME,
+    RoundStart,
+    RunFailed,
+    RunRecorder,
+    RunResult,
+    finish_round,
+    fresh_run_dir,
+    is_checkpoint_round,
+    start_round,
+)
+
+log = logging.getLogger(__name__)
+
+TOTALS = (
+    "bytes_up",
+    "bytes_down",
+    "seconds",
+    "wire_bytes_up",
+    "wire_bytes_down",
+    "state_bytes_up",
+    "state_bytes_down",
+)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={value!r}: expected a number of seconds") from exc
+
+
+def timeouts() -> SimpleNamespace:
+    """Fault-handling time limits, in seconds (environment variables override the defaults).
+
+    ``FEDML_SSFL_ROUND_TIMEOUT`` (3600): the server fails a round whose replies are not all in.
+    ``FEDML_SSFL_CONNECT_TIMEOUT`` (300): workers must come online (and GRPC peers accept).
+    ``FEDML_SSFL_FINISH_GRACE`` (30): after a failure, how long workers get to acknowledge.
+    ``FEDML_SSFL_PROBE_INTERVAL`` (5): GRPC liveness probes of the workers a round waits for.
+    ``FEDML_SSFL_IDLE_TIMEOUT`` (6 h): a GRPC worker that hears nothing from the server for this
+    long exits with an error (sooner, after two failed probes, when the server's port is gone).
+    """
+    round_t = _env_seconds("FEDML_SSFL_ROUND_TIMEOUT", 3600.0)
+    connect_t = _env_seconds("FEDML_SSFL_CONNECT_TIMEOUT", 300.0)
+    return SimpleNamespace(
+        round=round_t,
+        connect=connect_t,
+        grace=_env_seconds("FEDML_SSFL_FINISH_GRACE", 30.0),
+        probe=_env_seconds("FEDML_SSFL_PROBE_INTERVAL", 5.0),
+        idle=_env_seconds("FEDML_SSFL_IDLE_TIMEOUT", 6 * 3600.0),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the wire: dense tensors travel as NumPy arrays (3x faster to pickle, ~0.01% framing)
+
+
+_NUMPY_DTYPES = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+}
+
+
+class WireArray:
+    """A dense tensor on the wire (as a NumPy array); :func:`decode` turns it back."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __getstate__(self):
+        return self.array
+
+    def __setstate__(self, state):
+        self.array = state
+
+
+def encode(obj: Any) -> Any:
+    """Replace dense CPU-able tensors inside dicts / lists / tuples / Messages by :class:`WireArray`."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout == torch.strided and obj.dtype in _NUMPY_DTYPES:
+            return WireArray(obj.detach().cpu().numpy())
+        return obj  # sparse, bfloat16, ...: torch's own pickling
+    if isinstance(obj, Message):
+        return Message(weights=encode(obj.weights), extras=encode(obj.extras), num_samples=obj.num_samples)
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, encode(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(encode(v) for v in obj)
+    return obj
+
+
+def decode(obj: Any) -> Any:
+    """Inverse of :func:`encode` (arrays become tensors sharing the unpickled memory)."""
+    if isinstance(obj, WireArray):
+        return torch.from_numpy(np.ascontiguousarray(obj.array))
+    if isinstance(obj, Message):
+        return Message(weights=decode(obj.weights), extras=decode(obj.extras), num_samples=obj.num_samples)
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, decode(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(decode(v) for v in obj)
+    return obj
+
+
+def state_nbytes(state: Any) -> int:
+    """Tensor bytes of a client state (same counting rule as ``message_nbytes``)."""
+    return message_nbytes(Message(extras={"state": state})) if state else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# routing, checks, deployment files
+
+
+def assign_silos(chosen: list[int], holder: dict[int, int], workers: int) -> list[int]:
+    """Route a round's silos to workers 1..``workers``: position i is served by rank i + 1.
+
+    A silo goes back to the worker holding its newest client state when that worker is free,
+    so state rarely has to move; the rest fill the free workers in id order. Deterministic.
+    """
+    if len(chosen) != workers:
+        raise ValueError(f"{len(chosen)} silos for {workers} workers")
+    slots: list[int | None] = [None] * workers
+    rest = []
+    for k in sorted(chosen):
+        w = holder.get(k)
+        if w is not None and 1 <= w <= workers and slots[w - 1] is None:
+            slots[w - 1] = k
+        else:
+            rest.append(k)
+    free = [i for i, s in enumerate(slots) if s is None]
+    for i, k in zip(free, rest, strict=True):
+        slots[i] = k
+    return [int(s) for s in slots]
+
+
+def _tensors(obj: Any, path: str = ""):
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{path}[{i}]")
+
+
+def check_reply(
+    reply: Any,
+    model_shapes: dict[str, tuple[int, ...]],
+    sent: Message | None = None,
+    partial_ok: bool = False,
+) -> str | None:
+    """Why a client's reply is malformed, or None when it is fine.
+
+    Refused: not a :class:`Message`; weights naming tensors neither the model nor the message
+    sent has; a shape different from the reference; NaN or inf anywhere (weights, or tensors in
+    extras); a dense full-model reply missing model keys (unless ``partial_ok``); a negative or
+    non-integer ``num_samples``.
+    """
+    if not isinstance(reply, Message):
+        return f"expected a Message, got {type(reply).__name__}"
+    if not isinstance(reply.weights, dict) or not isinstance(reply.extras, dict):
+        return "weights and extras must be dicts"
+    if not isinstance(reply.num_samples, int) or reply.num_samples < 0:
+        return f"num_samples must be an integer >= 0, got {reply.num_samples!r}"
+    ref = dict(model_shapes)
+    if sent is not None:
+        ref.update({k: tuple(t.shape) for k, t in sent.weights.items() if isinstance(t, torch.Tensor)})
+    unknown = sorted(set(reply.weights) - set(ref))
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        return f"unknown weight keys: {shown}"
+    sparse = False
+    for name, t in reply.weights.items():
+        if not isinstance(t, torch.Tensor):
+            return f"weight {name!r} is a {type(t).__name__}, not a tensor"
+        if tuple(t.shape) != tuple(ref[name]):
+            return f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(ref[name])}"
+        sparse = sparse or t.is_sparse
+    missing = sorted(set(model_shapes) - set(reply.weights))
+    if reply.weights and missing and not sparse and not partial_ok and set(reply.weights) <= set(model_shapes):
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        return f"missing weight keys: {shown}"
+    extras = {k: v for k, v in reply.extras.items() if k != "metrics"}
+    for name, t in [*_tensors(reply.weights), *_tensors(extras)]:
+        values = t.coalesce().values() if t.is_sparse else t
+        if (values.is_floating_point() or values.is_complex()) and not bool(torch.isfinite(values).all()):
+            return f"non-finite values (NaN/inf) in {name!r}"
+    return None
+
+
+def read_ipconfig(path: str | Path) -> dict[int, tuple[str, int]]:
+    """FedML's GRPC ipconfig CSV (``eid,rank,grpc_server_ip,grpc_server_port``): rank -> (ip, port)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(
+            f"comm_args.grpc_ipconfig_path: {p} not found; GRPC needs a CSV with columns "
+            "eid,rank,grpc_server_ip,grpc_server_port (see deploy/ipconfig.csv)"
+        )
+    with p.open(newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    need = {"eid", "rank", "grpc_server_ip", "grpc_server_port"}
+    if not rows or not need <= set(rows[0]):
+        raise ConfigError(f"{p}: expected a header eid,rank,grpc_server_ip,grpc_server_port and one row per rank")
+    table: dict[int, tuple[str, int]] = {}
+    for row in rows:
+        try:
+            eid, rank, port = int(row["eid"]), int(row["rank"]), int(row["grpc_server_port"])
+        except ValueError as exc:
+            raise ConfigError(f"{p}: eid, rank and grpc_server_port must be integers ({exc})") from exc
+        if eid != rank:
+            raise ConfigError(f"{p}: row with eid {eid} has rank {rank}; use eid = rank (0 = server)")
+        table[rank] = (row["grpc_server_ip"].strip(), port)
+    return table
+
+
+def gpu_for_rank(mapping_file: str | Path, key: str, rank: int, world: int) -> int:
+    """The GPU index FedML's GPU-mapping YAML gives ``rank`` (processes numbered host by host).
+
+    The file maps ``key`` to ``{host: [processes on GPU 0, processes on GPU 1, ...]}``, as in
+    FedML's ``gpu_mapping.yaml``; the counts must add up to the job's C_k + 1 processes.
+    """
+    p = Path(mapping_file).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"device_args.gpu_mapping_file: {p} not found")
+    data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    if key not in data:
+        raise ConfigError(
+            f"device_args.gpu_mapping_key: '{key}' is not in {p}; it has {', '.join(map(str, data)) or 'no keys'}"
+        )
+    slots = []
+    for host, counts in (data[key] or {}).items():
+        if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 0 for c in counts):
+            raise ConfigError(f"{p} [{key}] {host}: expected a list of process counts per GPU, got {counts!r}")
+        for gpu, n in enumerate(counts):
+            slots += [(host, gpu)] * n
+    if len(slots) != world:
+        raise ConfigError(
+            f"{p} [{key}] places {len(slots)} processes, but the job has C_k + 1 = {world} (server + workers)"
+        )
+    return slots[rank][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the client side (no FedML in here)
+
+
+class ClientWorker:
+    """One worker process: trains whichever silo each payload names, keeping per-silo state.
+
+    Parameters
+    ----------
+    exp : Experiment
+        This process's experiment (data, split, algorithm built from the shared config).
+    rank : int
+        The worker's rank (1..C_k).
+    """
+
+    def __init__(self, exp: Experiment, rank: int):
+        self.exp, self.rank = exp, rank
+        self.cache: dict[int, tuple[int, dict]] = {}  # silo -> (round of last update, state)
+
+    def handle(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Run one round's client update; return the upload (or an error upload, never raising)."""
+        r, k = payload.get("round", -1), payload.get("silo", -1)
+        try:
+            for j in payload.get("drop", ()):
+                self.cache.pop(j, None)
+            if payload["state"] is not None:
+                self.cache[k] = (payload["state_tag"], payload["state"])
+            tag, state = self.cache.get(k, (None, None))
+            if state is None or tag != payload["state_tag"]:
+                raise RuntimeError(
+                    f"silo {k}'s client state from round {payload['state_tag']} is not on rank {self.rank} "
+                    f"(it has {tag}); the routing and the state cache disagree"
+                )
+            ctx = ClientContext(round_idx=r, device=self.exp.device, seed=self.exp.config.common_args.random_seed)
+            t0 = time.perf_counter()
+            reply = self.exp.algorithm.client_update(payload["msg"], self.exp.client_data(k), state, ctx)
+            seconds = time.perf_counter() - t0
+            self.cache[k] = (r, state)
+            missing = [j for j in payload["upload"] if j not in self.cache]
+            if missing:
+                raise RuntimeError(
+                    f"asked to upload the state of silos {missing}, which rank {self.rank} does not hold"
+                )
+            states = {j: self.cache[j] for j in payload["upload"]}
+            return {
+                "kind": "reply",
+                "round": r,
+                "silo": k,
+                "rank": self.rank,
+                "msg": reply,
+                "states": states,
+                "seconds": seconds,
+            }
+        except Exception as exc:  # reported to the server, which stops the run with this message
+            return {
+                "kind": "error",
+                "round": r,
+                "silo": k,
+                "rank": self.rank,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+
+
+# ---------------------------------------------------------------------------------------------
+# the server side (no FedML in here)
+
+
+class ServerRuntime:
+    """The server's round logic, routing and per-silo state store, independent of transport.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's config (its fingerprint goes into checkpoints).
+    exp : Experiment
+        The server's experiment; ``exp.algorithm.setup()`` must have run.
+    run_dir : Path
+        Output folder.
+    resume_state : dict, optional
+        A checkpoint to continue from.
+    workers : int
+        C_k, the number of worker processes.
+    stop_after : int, optional
+        Stop after this many rounds in total (as in the local runtime).
+    backend : str
+        Name recorded in the summary (``MPI`` / ``GRPC``).
+    """
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        exp: Experiment,
+        run_dir: Path,
+        resume_state: dict[str, Any] | None,
+        workers: int,
+        stop_after: int | None = None,
+        backend: str = "MPI",
+    ) -> None:
+        self.cfg, self.exp, self.workers, self.backend = cfg, exp, workers, backend
+        K = cfg.train_args.client_num_in_total
+        self.rec = RunRecorder(cfg, exp, run_dir, resume_state=resume_state, totals_keys=TOTALS)
+        self.run_dir = Path(run_dir)
+        self.client_states: dict[int, dict] = (
+            resume_state["client_states"] if resume_state is not None else {k: {} for k in range(K)}
+        )
+        self.tags = {k: -1 for k in range(K)}  # round each silo's state was last updated
+        self.holder: dict[int, int] = {}  # silo -> rank whose cache has its newest state
+        self.stale: set[int] = set()  # silos whose newest state the server has not received
+        self.drop: dict[int, set[int]] = {w: set() for w in range(1, workers + 1)}
+        self.plans: dict[int, list[int]] = {}
+        self.round = self.rec.start
+        rounds = cfg.train_args.comm_round
+        self.end = rounds if stop_after is None else min(rounds, stop_after)
+        self.status = "completed" if self.end == rounds else "stopped"
+        self.current: RoundStart | None = None
+        self.payloads: dict[int, dict] | None = None
+        self.awaiting: dict[int, int] = {}  # rank -> silo, this round
+        self.round_started = time.monotonic()
+        self.failure: RunFailed | None = None
+        self.refused: list[str] = []
+        self.last_row: dict[str, Any] = {}
+        self.model_shapes = {k: tuple(v.shape) for k, v in exp.algorithm.model_fn().state_dict().items()}
+        self.partial_ok = bool(getattr(exp.algorithm, "partial_replies", False))
+        self.requires_all = bool(getattr(exp.algorithm, "requires_all_replies", False))
+        self.bar = tqdm(
+            total=rounds,
+            initial=self.round,
+            desc=f"{cfg.algorithm} [FedML {backend}]",
+            unit="round",
+            disable=not cfg.tracking_args.progress_bar,
+            dynamic_ncols=True,
+            leave=True,
+        )
+
+    # ---- routing -------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.round >= self.end
+
+    def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
+        """The silo each worker serves in round ``r`` (cached: computed once per round)."""
+        if r not in self.plans:
+            t = self.cfg.train_args
+            chosen = sample_clients(self.cfg.common_args.random_seed, r, t.client_num_in_total, t.client_num_per_round)
+            self.plans[r] = assign_silos(chosen, self.holder if holder is None else holder, self.workers)
+        return self.plans[r]
+
+    def routing(self) -> list[int]:
+        """Silo ids in worker order for the next send (the last round's after the run ends)."""
+        return self.plan(min(self.round, self.end - 1))
+
+    def outstanding(self) -> dict[int, int]:
+        """rank -> silo of the workers this round still waits for."""
+        return dict(self.awaiting)
+
+    def received(self, rank: int) -> None:
+        self.awaiting.pop(rank, None)
+
+    # ---- a round -------------------------------------------------------------------------
+    def begin_round(self) -> dict[int, dict[str, Any]]:
+        """Server step and one payload per silo for the current round (idempotent per round)."""
+        r = self.round
+        if self.payloads is not None and self.current is not None and self.current.round_idx == r:
+            return self.payloads
+        plan = self.plan(r)
+        start = start_round(self.exp, r)
+        if sorted(plan) != start.chosen:
+            raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r}")
+        after = dict(self.holder)
+        after.update({k: i + 1 for i, k in enumerate(plan)})
+        stale_after = self.stale | set(plan)
+        nxt = self.plan(r + 1, holder=after) if r + 1 < self.end else []
+        checkpoint = is_checkpoint_round(self.cfg, r, self.end)
+        uploads: dict[int, list[int]] = {w: [] for w in range(1, self.workers + 1)}
+        for j in sorted(stale_after):
+            w = after[j]
+            if checkpoint or (j in nxt and nxt.index(j) + 1 != w):
+                uploads[w].append(j)
+        payloads, state_down = {}, 0
+        for i, k in enumerate(plan):
+            w = i + 1
+            send_state = self.holder.get(k) != w
+            if send_state:
+                if k in self.stale:
+                    raise RuntimeError(f"silo {k}'s newest state is on rank {self.holder[k]}, not on the server")
+                state_down += state_nbytes(self.client_states[k])
+            payloads[k] = {
+                "kind": "round",
+                "round": r,
+                "silo": k,
+                "rank": w,
+                "msg": start.messages[k],
+                "state": self.client_states[k] if send_state else None,
+                "state_tag": self.tags[k],
+                "upload": uploads[w],
+                "drop": sorted(self.drop[w] - {k}),
+            }
+            self.drop[w].clear()
+        self.current, self.payloads, self.state_down = start, payloads, state_down
+        self.awaiting = {i + 1: k for i, k in enumerate(plan)}
+        self.round_started = time.monotonic()
+        return payloads
+
+    def finish_round(self, uploads: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """Fold the workers' uploads into the algorithm; record the round; advance."""
+        start, r = self.current, self.round
+        if start is None:
+            raise RuntimeError("finish_round before begin_round")
+        by_silo = {}
+        for up in uploads:
+            if up.get("kind") == "error":
+                raise self.client_error(up)
+            if up.get("round") != r or up.get("silo") not in start.chosen:
+                raise RuntimeError(
+                    f"rank {up.get('rank')} sent a reply for round {up.get('round')} silo {up.get('silo')} "
+                    f"while round {r} waited for silos {start.chosen}"
+                )
+            if up.get("rank") != self.plan(r).index(up["silo"]) + 1:
+                raise RuntimeError(
+                    f"round {r}: silo {up['silo']} came back from rank {up.get('rank')}, but was routed to rank "
+                    f"{self.plan(r).index(up['silo']) + 1}"
+                )
+            by_silo[up["silo"]] = up
+        if sorted(by_silo) != start.chosen:
+            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+        for k in start.chosen:  # the worker that trained a silo now holds its newest state
+            w = by_silo[k]["rank"]
+            old = self.holder.get(k)
+            if old is not None and old != w:
+                self.drop[old].add(k)
+            self.holder[k], self.tags[k] = w, r
+            self.stale.add(k)
+        replies: dict[int, Message] = {}
+        up_bytes = state_up = refused = 0
+        for k in start.chosen:  # sorted, as in the local runtime: aggregation order matters
+            up = by_silo[k]
+            w = up["rank"]
+            for j, (tag, st) in up.get("states", {}).items():
+                if self.holder.get(j) == w and self.tags[j] == tag:
+                    self.client_states[j] = st
+                    self.stale.discard(j)
+                    state_up += state_nbytes(st)
+            msg = up.get("msg")
+            if isinstance(msg, Message):
+                up_bytes += message_nbytes(msg)
+            problem = check_reply(msg, self.model_shapes, start.messages.get(k), self.partial_ok)
+            if problem is None:
+                replies[k] = msg
+                continue
+            text = f"round {r}: refused the reply of rank {w} (silo {k}): {problem}"
+            if self.requires_all:
+                raise RunFailed(f"{text}; algorithm '{self.cfg.algorithm}' needs every reply")
+            log.warning("%s; the round goes on without it", text)
+            self.refused.append(text)
+            refused += 1
+            replies[k] = Message()
+        if is_checkpoint_round(self.cfg, r, self.end) and self.stale:
+            raise RuntimeError(f"round {r}: client states of silos {sorted(self.stale)} were not uploaded")
+        row_extra = {"state_bytes_up": state_up, "state_bytes_down": self.state_down, **extra}
+        if refused:
+            row_extra["refused_replies"] = refused
+        row = finish_round(self.exp, start, replies, up_bytes, **row_extra)
+        acc = self.rec.record(r, row, self.end, self.client_states)
+        self.last_row = row
+        self.round += 1
+        self.current, self.payloads, self.awaiting = None, None, {}
+        self.bar.update(1)
+        if acc is not None:
+            self.bar.set_postfix(acc=f"{100 * acc:.2f}%")
+        return row
+
+    def client_error(self, up: dict[str, Any]) -> RunFailed:
+        tb = up.get("traceback", "")
+        if tb:
+            log.error("traceback from rank %s (silo %s):\n%s", up.get("rank"), up.get("silo"), tb)
+        return RunFailed(
+            f"rank {up.get('rank')} (silo {up.get('silo')}) failed in round {up.get('round')}: {up.get('error')}"
+        )
+
+    # ---- end -----------------------------------------------------------------------------
+    def fail(self, error: BaseException | str) -> RunFailed:
+        """Record a failure once (summary.json ``failed``); return the :class:`RunFailed`."""
+        if self.failure is None:
+            text = str(error) if isinstance(error, (RunFailed, str)) else f"{type(error).__name__}: {error}"
+            self.failure = self.rec.fail(text)
+            self.bar.close()
+            self.rec.close()
+        return self.failure
+
+    def result(self) -> RunResult:
+        self.bar.close()
+        self.rec.close()
+        return self.rec.result(
+            self.status,
+            runtime=f"fedml-{self.backend}",
+            workers=self.workers,
+            wire_bytes_up_per_round=self.rec.totals["wire_bytes_up"] / max(len(self.rec.tracker.rows), 1),
+            wire_bytes_down_per_round=self.rec.totals["wire_bytes_down"] / max(len(self.rec.tracker.rows), 1),
+            state_bytes_total=self.rec.totals["state_bytes_up"] + self.rec.totals["state_bytes_down"],
+            refused_replies=self.refused,
+        )
+
+    def describe(self, ranks: dict[int, int]) -> str:
+        return ", ".join(f"rank {w} (silo {k})" for w, k in sorted(ranks.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# checks before anything starts
+
+
+def world_size(cfg: ExperimentConfig) -> int:
+    """Processes a FedML job needs: one server plus C_k workers."""
+    return cfg.train_args.client_num_per_round + 1
+
+
+def np_hint(cfg: ExperimentConfig) -> str:
+    return f"mpirun -np {world_size(cfg)} fedml-ssfl run --cf CONFIG (deploy/run_mpi.sh computes -np from the config)"
+
+
+def check_backend(cfg: ExperimentConfig) -> None:
+    if cfg.comm_args.backend not in ("MPI", "GRPC") or cfg.common_args.training_type != "cross_silo":
+        raise ConfigError(
+            f"the FedML runtime needs comm_args.backend MPI or GRPC with common_args.training_type cross_silo "
+            f"(got {cfg.comm_args.backend} / {cfg.common_args.training_type}); FedML 0.9.6 ignores custom "
+            "trainers in simulation mode"
+        )
+
+
+def mpi_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tuple[int, Any]:
+    """This process's MPI rank after checking the job size equals C_k + 1 (else a clear error)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    size, me = comm.Get_size(), comm.Get_rank()
+    world = world_size(cfg)
+    if size != world:
+        if me == 0:
+            raise ConfigError(
+                f"this MPI job has {size} process{'es' if size != 1 else ''}, but train_args.client_num_per_round "
+                f"C_k = {cfg.train_args.client_num_per_round} needs C_k + 1 = {world} (rank 0 is the server): run "
+                f"{np_hint(cfg)}"
+            )
+        raise SystemExit(2)  # rank 0 reports; the others leave quietly
+    if rank is not None and rank != me:
+        raise ConfigError(f"--rank {rank} disagrees with the MPI rank {me}; under mpirun leave --rank out")
+    if role is not None and role != ("server" if me == 0 else "client"):
+        raise ConfigError(f"--role {role} disagrees with MPI rank {me} (rank 0 is the server)")
+    return me, comm
+
+
+def grpc_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tuple[int, dict[int, tuple[str, int]]]:
+    """This process's GRPC rank, checked against --role and the ipconfig (C_k + 1 rows)."""
+    world = world_size(cfg)
+    if rank is None:
+        raise ConfigError(
+            f"comm_args.backend GRPC: pass --rank N (0 = server, 1..{world - 1} = clients) and --role server|client"
+        )
+    expected = "server" if rank == 0 else "client"
+    if role is not None and role != expected:
+        raise ConfigError(f"--role {role} does not go with --rank {rank}: rank 0 is the server, ranks 1.. are clients")
+    if not cfg.comm_args.grpc_ipconfig_path:
+        raise ConfigError("comm_args.grpc_ipconfig_path: GRPC needs an ipconfig CSV (see deploy/ipconfig.csv)")
+    table = read_ipconfig(cfg.comm_args.grpc_ipconfig_path)
+    if sorted(table) != list(range(world)):
+        raise ConfigError(
+            f"{cfg.comm_args.grpc_ipconfig_path} lists ranks {sorted(table)}, but C_k = "
+            f"{cfg.train_args.client_num_per_round} needs ranks 0..{world - 1} (one server + C_k clients, "
+            f"{world} processes)"
+        )
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is outside 0..{world - 1} (C_k + 1 = {world} processes)")
+    return rank, table
+
+
+# ---------------------------------------------------------------------------------------------
+# FedML, lazily
+
+
+class _QuietFedMLLogs(logging.Filter):
+    """Drop FedML's own INFO chatter (it logs every message through the root logger)."""
+
+    def __init__(self, fedml_dir: str):
+        super().__init__()
+        self.fedml_dir = fedml_dir
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.pathname.startswith(self.fedml_dir)
+
+
+class DeliveryError(ConnectionError):
+    """A GRPC message could not be delivered to ``receiver`` (its process died, or the network)."""
+
+    def __init__(self, text: str, receiver: int, address: str, code: str):
+        super().__init__(text)
+        self.receiver, self.address, self.code = receiver, address, code
+
+
+class WireMeter:
+    """Serialized bytes actually sent / received, by FedML message type (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent: dict[Any, int] = {}
+        self.recv: dict[Any, int] = {}
+
+    @staticmethod
+    def _type(obj: Any) -> Any:
+        get = getattr(obj, "get_type", None)
+        try:
+            return get() if callable(get) else None
+        except Exception:
+            return None
+
+    def count(self, table: dict, obj: Any, n: int) -> None:
+        t = self._type(obj)
+        with self.lock:
+            table[t] = table.get(t, 0) + n
+
+    def total(self, table: dict, types: tuple) -> int:
+        with self.lock:
+            return sum(table.get(t, 0) for t in types)
+
+    def dumps(self, obj: Any) -> bytes:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.count(self.sent, obj, len(data))
+        return data
+
+    def loads(self, buf: Any) -> Any:
+        obj = pickle.loads(buf)
+        self.count(self.recv, obj, memoryview(buf).nbytes)
+        return obj
+
+
+@functools.cache
+def _fedml_classes() -> SimpleNamespace:
+    """FedML subclasses, defined on first use so that importing this module never imports FedML."""
+    import grpc
+    from fedml.core import ClientTrainer, ServerAggregator
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
+    from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
+    from fedml.core.distributed.communication.message import Message as FedMessage
+    from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicationManager
+    from fedml.cross_silo.client.fedml_client_master_manager import ClientMasterManager
+    from fedml.cross_silo.server.fedml_aggregator import FedMLAggregator
+    from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
+    from fedml.cross_silo.server.message_define import MyMessage
+
+    WATCHDOG = "ssfl_watchdog"
+    down_types = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
+    up_types = (MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER,)
+
+    # ---- transports: blocking waits instead of FedML's busy polling ----------------------
+    class QuietMpiComm(MpiCommunicationManager):
+        """FedML's MPI transport, waiting on its queue instead of spinning (frees a core)."""
+
+        def handle_receive_message(self):
+            self._notify_connection_ready()
+            while not self._stop_running:
+                try:
+                    msg = self.q_receiver.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self.notify(msg)
+
+        def inject(self, msg) -> None:
+            self.q_receiver.put(msg)
+
+        def _free_q(self, q):  # FedML's calls a non-existent Queue.get_no_wait
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    q.get_nowait()
+
+    class QuietGrpcComm(GRPCCommManager):
+        """FedML's GRPC transport with blocking waits, cached channels, wait-for-ready sends, byte counts."""
+
+        def __init__(self, *args, meter: WireMeter, connect_timeout: float, **kwargs):
+            self.meter, self.connect_timeout = meter, connect_timeout
+            self._channels: dict[int, Any] = {}
+            super().__init__(*args, **kwargs)
+
+        def _stub(self, receiver: int):
+            if receiver not in self._channels:
+                m = self.grpc_mappings[receiver]
+                url = f"{m.ingress_ip or m.grpc_server_ip}:{m.grpc_server_port}"
+                channel = grpc.insecure_channel(url, options=self.opts)
+                self._channels[receiver] = (channel, grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel))
+            return self._channels[receiver][1]
+
+        def send_message(self, msg):
+            m = self.grpc_mappings[self.client_id]
+            msg.add_params(GRPCCommManager.MSG_ARG_KEY_SENDER_RANK, self.client_rank)
+            msg.add_params(GRPCCommManager.MSG_ARG_KEY_SENDER_IP, m.ingress_ip or m.grpc_server_ip)
+            msg.add_params(GRPCCommManager.MSG_ARG_KEY_SENDER_PORT, m.grpc_server_port)
+            data = self.meter.dumps(msg)
+            request = grpc_comm_manager_pb2.CommRequest()
+            request.client_id = self.client_id
+            request.message = data
+            # A status probe to a worker not up yet may fail (the worker announces itself), and a
+            # stop notice is best effort; everything else waits for the peer, up to the connect timeout.
+            fast = msg.get_type() in (MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, MyMessage.MSG_TYPE_S2C_FINISH)
+            receiver = int(msg.get_receiver_id())
+            try:
+                self._stub(receiver).sendMessage(
+                    request, timeout=5.0 if fast else self.connect_timeout, wait_for_ready=not fast
+                )
+            except grpc.RpcError as exc:
+                r = self.grpc_mappings[receiver]
+                address = f"{r.ingress_ip or r.grpc_server_ip}:{r.grpc_server_port}"
+                code = exc.code().name
+                waited = (
+                    f"within {self.connect_timeout:.0f} s (FEDML_SSFL_CONNECT_TIMEOUT)"
+                    if code == "DEADLINE_EXCEEDED"
+                    else f"({code})"
+                )
+                raise DeliveryError(
+                    f"rank {self.client_rank} could not deliver a message to rank {receiver} at {address} {waited}",
+                    receiver,
+                    address,
+                    code,
+                ) from exc
+
+        def message_handling_subroutine(self):
+            while self.is_running:
+                try:
+                    item = self.grpc_servicer.message_q.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                msg = item if isinstance(item, FedMessage) else self.meter.loads(item)
+                for observer in self._observers:
+                    observer.receive_message(msg.get_type(), msg)
+
+        def inject(self, msg) -> None:
+            self.grpc_servicer.message_q.put(msg)
+
+        def stop_receive_message(self):
+            for channel, _ in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            super().stop_receive_message()
+
+    def make_comm(manager) -> None:
+        """Install the quiet transport on a FedML comm manager (called from ``_init_manager``)."""
+        if manager.backend == "MPI":
+            manager.com_manager = QuietMpiComm(manager.comm, manager.rank, manager.size)
+        elif manager.backend == "GRPC":
+            manager.com_manager = QuietGrpcComm(
+                grpc_ipconfig_path=manager.args.grpc_ipconfig_path,
+                client_rank=manager.rank,
+                client_num=manager.size,
+                args=manager.args,
+                meter=manager.meter,
+                connect_timeout=manager.limits.connect,
+            )
+        else:
+            raise ConfigError(f"comm_args.backend {manager.backend}: only MPI and GRPC are supported")
+        manager.com_manager.add_observer(manager)
+
+    def grpc_reachable(comm, rank: int) -> bool:
+        """Whether ``rank``'s gRPC port accepts a connection within 2 s (its process is alive)."""
+        m = comm.grpc_mappings[rank]
+        channel = grpc.insecure_channel(f"{m.ingress_ip or m.grpc_server_ip}:{m.grpc_server_port}")
+        try:
+            grpc.channel_ready_future(channel).result(timeout=2.0)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+        finally:
+            channel.close()
+
+    def is_finish(payload: Any) -> bool:
+        return isinstance(payload, dict) and payload.get("kind") == "finish"
+
+    # ---- server ----------------------------------------------------------------------------
+    class SSFLServerAggregator(ServerAggregator):
+        """FedML's server hook object wrapping :class:`ServerRuntime` (any registered algorithm).
+
+        ``get_model_params`` / ``aggregate`` return a plain dict ``{silo id: payload}``: FedML
+        sends each worker the entry of the silo it serves this round.
+        """
+
+        def __init__(self, model, args, runtime: ServerRuntime, meter: WireMeter):
+            super().__init__(model, args)
+            self.runtime, self.meter = runtime, meter
+            self._marks = (0, 0)
+
+        def _payloads(self) -> dict[int, Any]:
+            if self.runtime.done:
+                return {k: {"kind": "finish"} for k in self.runtime.routing()}
+            payloads = self.runtime.begin_round()
+            self._marks = (self.meter.total(self.meter.sent, down_types), self.meter.total(self.meter.recv, up_types))
+            return {k: encode(p) for k, p in payloads.items()}
+
+        def get_model_params(self):
+            return self._payloads()
+
+        def set_model_params(self, model_parameters):
+            pass  # the server state lives in the algorithm
+
+        def on_before_aggregation(self, raw_client_model_or_grad_list):
+            return raw_client_model_or_grad_list, list(range(len(raw_client_model_or_grad_list)))
+
+        def aggregate(self, raw_client_model_or_grad_list):
+            uploads = [decode(p) for _, p in raw_client_model_or_grad_list]
+            wire = {
+                "wire_bytes_up": self.meter.total(self.meter.recv, up_types) - self._marks[1],
+                "wire_bytes_down": self.meter.total(self.meter.sent, down_types) - self._marks[0],
+            }
+            self.runtime.finish_round(uploads, **wire)
+            return self._payloads()
+
+        def on_after_aggregation(self, aggregated_model_or_grad):
+            return aggregated_model_or_grad
+
+        def test(self, test_data, device, args):
+            row = self.runtime.last_row
+            return row.get("test_acc"), row.get("test_loss"), None, None
+
+    class SSFLSiloAggregator(FedMLAggregator):
+        """FedML's round driver, routing silos to workers by the runtime's plan."""
+
+        def __init__(self, server_aggregator: SSFLServerAggregator, args, workers: int, device):
+            super().__init__(None, None, 0, {}, {}, {}, workers, device, args, server_aggregator)
+            self.runtime = server_aggregator.runtime
+
+        def data_silo_selection(self, round_idx, client_num_in_total, client_num_per_round):
+            return list(self.runtime.routing())
+
+        def aggregate(self):
+            # FedML's own version indexes dict results by position 0..n-1, not by silo id.
+            model_list = [(self.sample_num_dict[i], self.model_dict[i]) for i in range(self.client_num)]
+            payloads = self.aggregator.aggregate(model_list)
+            return payloads, model_list, list(range(self.client_num))
+
+        def test_on_server_for_all_clients(self, round_idx):
+            pass  # evaluation happens in the runtime, as in the local runtime
+
+    class SSFLServerManager(FedMLServerManager):
+        """FedML's cross-silo server manager plus fault handling (errors, deaths, timeouts)."""
+
+        def __init__(self, args, aggregator, runtime: ServerRuntime, meter: WireMeter, limits, comm, size, backend):
+            self.runtime, self.meter, self.limits = runtime, meter, limits
+            self.failing = False
+            self.fail_time = 0.0
+            self.dead: set[int] = set()
+            self.finished: set[int] = set()
+            self.probe_failures: dict[int, int] = {}
+            self.t_start = time.monotonic()
+            self._stop = threading.Event()
+            super().__init__(args, aggregator, comm, 0, size, backend)
+
+        def _init_manager(self):
+            make_comm(self)
+
+        def register_message_receive_handlers(self):
+            super().register_message_receive_handlers()
+            self.register_message_receive_handler(WATCHDOG, self.handle_watchdog)
+
+        def run(self):
+            watchdog = threading.Thread(target=self._watch, name="ssfl-watchdog", daemon=True)
+            watchdog.start()
+            try:
+                super().run()
+            finally:
+                self._stop.set()
+
+        # -- protocol --
+        def process_online_status(self, client_status, msg_params):
+            if self.is_initialized or self.failing:
+                return  # FedML would send the first round again on a repeated ONLINE
+            try:
+                super().process_online_status(client_status, msg_params)
+            except Exception as exc:
+                self.fail(exc)
+
+        def handle_message_receive_model_from_client(self, msg_params):
+            if self.failing:
+                return
+            payload = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
+            sender = int(msg_params.get_sender_id())
+            if isinstance(payload, dict) and payload.get("kind") == "error":
+                self.fail(self.runtime.client_error(payload))
+                return
+            self.runtime.received(sender)
+            try:
+                super().handle_message_receive_model_from_client(msg_params)
+            except Exception as exc:
+                self.fail(exc)
+
+        def process_finished_status(self, client_status, msg_params):
+            self.finished.add(int(msg_params.get_sender_id()))
+            self._maybe_finish()
+
+        def _maybe_finish(self):
+            if set(self.client_real_ids) <= self.finished | self.dead:
+                self.finish()
+
+        def finish(self):
+            # FedML calls MPI.Finalize here; leaving it to mpi4py at exit lets one process run
+            # several jobs in turn (and a failing run still report before MPI goes away).
+            self.com_manager.stop_receive_message()
+
+        # -- faults --
+        def fail(self, error) -> None:
+            if self.failing:
+                return
+            if isinstance(error, DeliveryError):  # name the silo whose payload could not go out
+                silos = self.runtime.routing()
+                silo = silos[error.receiver - 1] if 1 <= error.receiver <= len(silos) else "?"
+                self.dead.add(error.receiver)
+                error = (
+                    f"round {self.runtime.round}: rank {error.receiver} (silo {silo}) is unreachable at "
+                    f"{error.address} ({error.code}); its process died or lost the network"
+                )
+            self.failing, self.fail_time = True, time.monotonic()
+            failure = self.runtime.fail(error)
+            log.error("%s", failure)
+            for rank in self.client_real_ids:
+                if rank in self.dead:
+                    continue
+                try:
+                    self.send_message(FedMessage(MyMessage.MSG_TYPE_S2C_FINISH, 0, rank))
+                except Exception:
+                    self.dead.add(rank)
+            self._maybe_finish()
+
+        def handle_watchdog(self, msg_params):
+            action = msg_params.get("action")
+            self.dead |= set(msg_params.get("dead") or ())
+            if action == "fail":
+                self.fail(msg_params.get("reason"))
+                self._maybe_finish()
+            elif action == "force":
+                self.force_stop()
+
+        def force_stop(self):
+            """Workers did not acknowledge the stop in time: end without waiting for them."""
+            failure = self.runtime.failure
+            if self.backend == "MPI":
+                sys.stderr.write(f"fedml-ssfl run: error: {failure}\n")
+                sys.stderr.flush()
+                from mpi4py import MPI
+
+                MPI.COMM_WORLD.Abort(1)
+            self.com_manager.stop_receive_message()
+
+        def _inject(self, **params):
+            msg = FedMessage(WATCHDOG, 0, 0)
+            for k, v in params.items():
+                msg.add_params(k, v)
+            self.com_manager.inject(msg)
+
+        def _probe(self, rank: int) -> bool:
+            return grpc_reachable(self.com_manager, rank)
+
+        def _watch(self):
+            limits, rt = self.limits, self.runtime
+            last_probe = time.monotonic()
+            forced = reported = False
+            while not self._stop.wait(0.5):
+                now = time.monotonic()
+                if self.failing:
+                    if not forced and now - self.fail_time > limits.grace:
+                        forced = True
+                        self._inject(action="force")
+                    continue
+                if reported:
+                    continue
+                if not self.is_initialized:
+                    if now - self.t_start > limits.connect:
+                        missing = [r for r in self.client_real_ids if not self.client_online_mapping.get(str(r))]
+                        reported = True
+                        self._inject(
+                            action="fail",
+                            reason=f"ranks {missing} did not come online within {limits.connect:.0f} s "
+                            "(FEDML_SSFL_CONNECT_TIMEOUT)",
+                            dead=missing,
+                        )
+                    continue
+                waiting = rt.outstanding()
+                if waiting and now - rt.round_started > limits.round:
+                    reported = True
+                    self._inject(
+                        action="fail",
+                        reason=f"round {rt.round}: no reply within {limits.round:.0f} s (FEDML_SSFL_ROUND_TIMEOUT) "
+                        f"from {rt.describe(waiting)}",
+                        dead=sorted(waiting),
+                    )
+                    continue
+                if self.backend == "GRPC" and waiting and now - last_probe >= limits.probe:
+                    last_probe = now
+                    for rank, silo in waiting.items():
+                        if self._probe(rank):
+                            self.probe_failures[rank] = 0
+                            continue
+                        self.probe_failures[rank] = self.probe_failures.get(rank, 0) + 1
+                        if self.probe_failures[rank] >= 2:
+                            m = self.com_manager.grpc_mappings[rank]
+                            reported = True
+                            self._inject(
+                                action="fail",
+                                reason=f"round {rt.round}: rank {rank} (silo {silo}) is unreachable at "
+                                f"{m.grpc_server_ip}:{m.grpc_server_port}; its process died or lost the network",
+                                dead=[rank],
+                            )
+                            break
+
+        def on_terminate(self, signum, frame):
+            """mpirun (or a scheduler) is ending the job: record who the round was waiting for."""
+            waiting = self.runtime.outstanding()
+            if self.runtime.failure is None:
+                who = self.runtime.describe(waiting) if waiting else "no worker"
+                self.runtime.fail(
+                    f"the job was terminated (signal {signum}) in round {self.runtime.round} while the server "
+                    f"waited for {who}; a worker process died (the launcher's message names its rank)"
+                )
+            sys.stderr.write(f"fedml-ssfl run: error: {self.runtime.failure}\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    # ---- client ----------------------------------------------------------------------------
+    class SSFLClientTrainer(ClientTrainer):
+        """FedML's client hook object: one :class:`ClientWorker` behind FedML's trainer API."""
+
+        def __init__(self, model, args, worker: ClientWorker):
+            super().__init__(model, args)
+            self.worker = worker
+            self.payload: Any = None
+            self.upload: Any = None
+
+        def get_model_params(self):
+            return self.upload
+
+        def set_model_params(self, model_parameters):
+            self.payload = model_parameters
+
+        def update_dataset(self, local_train_dataset, local_test_dataset, local_sample_number):
+            pass  # the silo comes with the payload (FedML maps silo 0 to the worker's own index)
+
+        def train(self, train_data, device, args):
+            self.upload = encode(self.worker.handle(decode(self.payload)))
+
+        def test(self, test_data, device, args):
+            pass
+
+    class SSFLClientManager(ClientMasterManager):
+        """FedML's cross-silo client manager; the server's ``finish`` payload ends the run."""
+
+        def __init__(self, args, adapter, meter: WireMeter, limits, comm, rank, size, backend):
+            self.meter, self.limits = meter, limits
+            self.last_heard = time.monotonic()
+            self._stop = threading.Event()
+            super().__init__(args, adapter, comm, rank, size, backend)
+            self.num_rounds = 2**62  # the server decides when the run ends (resume-safe)
+
+        def _init_manager(self):
+            make_comm(self)
+
+        def finish(self):
+            self.com_manager.stop_receive_message()  # MPI.Finalize is left to mpi4py at exit
+
+        def receive_message(self, msg_type, msg_params) -> None:
+            self.last_heard = time.monotonic()
+            super().receive_message(msg_type, msg_params)
+
+        def handle_message_init(self, msg_params):
+            if is_finish(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)):
+                self.cleanup()
+                return
+            super().handle_message_init(msg_params)
+
+        def handle_message_receive_model_from_server(self, msg_params):
+            if is_finish(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)):
+                self.cleanup()
+                return
+            super().handle_message_receive_model_from_server(msg_params)
+
+        def run(self):
+            if self.backend == "GRPC":
+                threading.Thread(target=self._watch, name="ssfl-server-watchdog", daemon=True).start()
+            try:
+                super().run()
+            finally:
+                self._stop.set()
+
+        def _watch(self):
+            """GRPC only (under mpirun the launcher ends the job when the server dies): stop when the
+            server's port stops answering, or after FEDML_SSFL_IDLE_TIMEOUT of silence."""
+            failures, last_probe = 0, time.monotonic()
+            while not self._stop.wait(1.0):
+                now = time.monotonic()
+                idle = now - self.last_heard
+                reason = None
+                if idle > self.limits.idle:
+                    reason = f"heard nothing from the server (rank 0) for {idle:.0f} s (FEDML_SSFL_IDLE_TIMEOUT)"
+                elif self.is_inited and idle > self.limits.probe and now - last_probe >= self.limits.probe:
+                    last_probe = now
+                    failures = 0 if grpc_reachable(self.com_manager, 0) else failures + 1
+                    if failures >= 2:
+                        m = self.com_manager.grpc_mappings[0]
+                        reason = f"the server (rank 0) at {m.grpc_server_ip}:{m.grpc_server_port} is unreachable"
+                if reason:
+                    sys.stderr.write(f"fedml-ssfl run: error: rank {self.rank}: {reason}; stopping\n")
+                    sys.stderr.flush()
+                    os._exit(1)
+
+    return SimpleNamespace(
+        ServerAggregator=SSFLServerAggregator,
+        SiloAggregator=SSFLSiloAggregator,
+        ServerManager=SSFLServerManager,
+        ClientTrainer=SSFLClientTrainer,
+        ClientManager=SSFLClientManager,
+    )
+
+
+def fedml_args(cfg: ExperimentConfig, rank: int) -> SimpleNamespace:
+    """The flat ``args`` FedML expects, from the validated sections (offline settings forced)."""
+    t, d = cfg.train_args, cfg.device_args
+    return SimpleNamespace(
+        training_type="cross_silo",
+        backend=cfg.comm_args.backend,
+        scenario="horizontal",
+        federated_optimizer="FedAvg",
+        config_version="release",
+        random_seed=cfg.common_args.random_seed,
+        using_mlops=False,
+        enable_wandb=False,
+        sys_perf_profiling=False,
+        run_id="0",
+        dataset=cfg.data_args.dataset,
+        data_cache_dir=cfg.data_args.data_cache_dir,
+        model=cfg.model_args.model,
+        client_num_in_total=t.client_num_in_total,
+        client_num_per_round=t.client_num_per_round,
+        comm_round=t.comm_round,
+        epochs=1,
+        batch_size=t.batch_size,
+        learning_rate=t.learning_rate,
+        client_optimizer=t.client_optimizer,
+        frequency_of_the_test=cfg.validation_args.frequency_of_the_test,
+        test_on_clients="no",
+        worker_num=t.client_num_per_round,
+        rank=rank,
+        role="server" if rank == 0 else "client",
+        grpc_ipconfig_path=str(Path(cfg.comm_args.grpc_ipconfig_path).expanduser())
+        if cfg.comm_args.grpc_ipconfig_path
+        else "",
+        using_gpu=d.device == "cuda",
+        gpu_id=d.gpu_id,
+        gpu_mapping_file=d.gpu_mapping_file,
+        gpu_mapping_key=d.gpu_mapping_key,
+        log_file_dir=cfg.tracking_args.log_file_dir,
+    )
+
+
+def _no_fetch_config(args, version="release"):
+    """Stands in for ``fedml.core.mlops.fetch_config``, which posts to FedML's cloud."""
+    return False
+
+
+@contextlib.contextmanager
+def _fedml_offline():
+    """Import FedML with its cloud config fetch replaced and its INFO logs filtered."""
+    with warnings.catch_warnings():  # requests' version check and pkg_resources, at FedML's import
+        warnings.simplefilter("ignore")
+        import fedml
+        import fedml.core.mlops as core_mlops
+
+    original = core_mlops.fetch_config
+    core_mlops.fetch_config = _no_fetch_config
+    root = logging.getLogger()
+    quiet = None
+    if root.getEffectiveLevel() > logging.DEBUG:
+        quiet = _QuietFedMLLogs(str(Path(fedml.__file__).parent))
+        root.addFilter(quiet)
+    try:
+        yield fedml
+    finally:
+        core_mlops.fetch_config = original
+        if quiet is not None:
+            root.removeFilter(quiet)
+
+
+def _with_device(cfg: ExperimentConfig, rank: int) -> ExperimentConfig:
+    """A copy of ``cfg`` whose ``gpu_id`` is this rank's GPU from the mapping file (if any)."""
+    d = cfg.device_args
+    if d.device != "cuda" or not d.gpu_mapping_file:
+        return cfg
+    gpu = gpu_for_rank(d.gpu_mapping_file, d.gpu_mapping_key, rank, world_size(cfg))
+    return dataclasses.replace(cfg, device_args=dataclasses.replace(d, gpu_id=gpu))
+
+
+def run_fedml(
+    cfg: ExperimentConfig,
+    rank: int | None = None,
+    role: str | None = None,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    dataset: ImageDataset | None = None,
+    stop_after: int | None = None,
+) -> RunResult | None:
+    """Run this process's part of a FedML cross-silo job (server on rank 0, a worker elsewhere).
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        A validated config with ``comm_args.backend`` MPI or GRPC and ``training_type: cross_silo``.
+    rank, role : optional
+        GRPC: this process's rank (0 = server) and role; MPI takes the rank from ``mpirun``.
+    run_dir, resume, dataset, stop_after
+        As in :func:`~fedml_ssfl.runtime.local.run_local` (used by the server).
+
+    Returns
+    -------
+    RunResult or None
+        The result on the server; None on workers.
+
+    Raises
+    ------
+    ConfigError
+        Wrong process count (naming the right ``-np``), missing/mismatched GRPC rank or ipconfig,
+        bad GPU mapping -- before anything starts.
+    RunFailed
+        A worker failed or died, or a round timed out (names rank and silo; checkpoints intact).
+    """
+    check_backend(cfg)
+    backend = cfg.comm_args.backend
+    limits = timeouts()
+    comm, peers = None, []
+    if backend == "MPI":
+        rank, comm = mpi_rank(cfg, rank, role)
+    else:
+        rank, table = grpc_rank(cfg, rank, role)
+        peers = [ip for ip, _ in table.values()]
+    is_server = rank == 0
+    state = None
+    if is_server:
+        base = Path(run_dir) if run_dir is not None else cfg.run_dir()
+        run_dir = base if resume else fresh_run_dir(base)
+        state = load_checkpoint(run_dir / "checkpoints" / CHECKPOINT_NAME, cfg.fingerprint()) if resume else None
+    dev_cfg = _with_device(cfg, rank)
+    guarded = not offline.installed() and offline.install(peers)  # uninstalled below only if ours
+    meter = WireMeter()
+    mpi_pickle = None
+    with _fedml_offline() as fedml:
+        args = fedml_args(cfg, rank)
+        args.comm = comm
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = fedml.init(args, check_env=False, should_init_logs=False)
+        if backend == "MPI":
+            from mpi4py import MPI
+
+            mpi_pickle = MPI.pickle
+            MPI.pickle.__init__(meter.dumps, meter.loads)
+        exp = build_experiment(dev_cfg, dataset)
+        classes = _fedml_classes()
+        workers = cfg.train_args.client_num_per_round
+        try:
+            if not is_server:
+                _run_worker(classes, exp, args, rank, meter, limits, comm, workers, backend)
+                return None
+            exp.algorithm.setup()
+            runtime = ServerRuntime(cfg, exp, Path(run_dir), state, workers, stop_after, backend)
+            server_agg = classes.ServerAggregator(exp.algorithm.global_model(), args, runtime, meter)
+            silo_agg = classes.SiloAggregator(server_agg, args, workers, exp.device)
+            manager = classes.ServerManager(args, silo_agg, runtime, meter, limits, comm, workers, backend)
+            previous = _install_terminate_handler(manager.on_terminate)
+            try:
+                if runtime.done:
+                    log.info("nothing to run: %s already completed round %d", run_dir, runtime.round - 1)
+                manager.run()
+            finally:
+                _restore_terminate_handler(previous)
+            if runtime.failure is not None:
+                raise runtime.failure
+            if not runtime.done:
+                raise runtime.fail(f"the FedML server stopped in round {runtime.round} before the run ended")
+            return runtime.result()
+        finally:
+            if mpi_pickle is not None:
+                with contextlib.suppress(Exception):
+                    mpi_pickle.__init__()
+            if guarded:
+                offline.uninstall()
+
+
+def _run_worker(classes, exp: Experiment, args, rank: int, meter, limits, comm, workers: int, backend: str) -> None:
+    from fedml.cross_silo.client.fedml_trainer_dist_adapter import TrainerDistAdapter
+
+    K = exp.config.train_args.client_num_in_total
+    silos = {k: k for k in range(K)}
+    counts = {k: int(exp.split.client_unlabeled[k].numel()) for k in range(K)}
+    model = exp.algorithm.model_fn()
+    trainer = classes.ClientTrainer(model, args, ClientWorker(exp, rank))
+    adapter = TrainerDistAdapter(args, exp.device, rank, model, sum(counts.values()), counts, silos, silos, trainer)
+    manager = classes.ClientManager(args, adapter, meter, limits, comm, rank, workers, backend)
+    manager.run()
+
+
+def _install_terminate_handler(handler):
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
+def _restore_terminate_handler(previous) -> None:
+    if previous is not None:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, previous)
+
+
+__all__ = [
+    "ClientWorker",
+    "ServerRuntime",
+    "WireArray",
+    "assign_silos",
+    "check_reply",
+    "decode",
+    "encode",
+    "gpu_for_rank",
+    "read_ipconfig",
+    "run_fedml",
+    "timeouts",
+    "world_size",
+]

@@ -1,0 +1,174 @@
+"""The FedML runtime over GRPC: one server and two clients as separate processes on 127.0.0.1
+(``--rank N --role server|client`` + an ipconfig CSV), and a client process that dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedml_ssfl.checkpoint import load_checkpoint
+from fedml_ssfl.config import ExperimentConfig, load_config, validate
+from fedml_ssfl.runtime.local import run_local
+from tests.conftest import SMALL
+
+pytest.importorskip("fedml")
+pytest.importorskip("grpc")
+
+BIN = Path(sys.executable).parent
+CLI = BIN / "fedml-ssfl"
+TIMEOUT = 240
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def grpc_config(tmp: Path, world: int, *overrides: str) -> ExperimentConfig:
+    ip = tmp / "ipconfig.csv"
+    rows = [f"{r},{r},127.0.0.1,{p}" for r, p in enumerate(free_ports(world))]
+    ip.write_text("eid,rank,grpc_server_ip,grpc_server_port\n" + "\n".join(rows) + "\n")
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            f"common_args.output_dir={tmp / 'runs'}",
+            "common_args.training_type=cross_silo",
+            "comm_args.backend=GRPC",
+            f"comm_args.grpc_ipconfig_path={ip}",
+            f"train_args.client_num_per_round={world - 1}",
+            "device_args.num_threads=1",
+            *overrides,
+        ],
+    )
+    (tmp / "c.yaml").write_text(cfg.to_yaml())
+    return cfg
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = dict(os.environ, PYTHONWARNINGS="ignore", FEDML_SSFL_ROUND_TIMEOUT="120", FEDML_SSFL_CONNECT_TIMEOUT="120")
+    # the checkout's code, also where an older editable install does not map every package
+    out["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    out.update(extra)
+    return out
+
+
+def start(cmd_prefix: list[str], cfg_path: Path, world: int, environ: dict[str, str]) -> list[subprocess.Popen]:
+    procs = []
+    for rank in range(world):
+        role = "server" if rank == 0 else "client"
+        procs.append(
+            subprocess.Popen(
+                [*cmd_prefix, "run", "--cf", str(cfg_path), "--rank", str(rank), "--role", role],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=environ,
+            )
+        )
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return out
+
+
+def test_grpc_server_and_two_clients_on_localhost_finish_a_run(tmp_path):
+    cfg = grpc_config(
+        tmp_path,
+        3,
+        "train_args.client_num_in_total=4",
+        "train_args.comm_round=2",
+        "ssfl_args.averaging=grouping",
+        "common_args.run_name=grpc",
+    )
+    record = tmp_path / "net.log"
+    results = finish(start([str(CLI)], tmp_path / "c.yaml", 3, env(FEDML_SSFL_NET_RECORD=str(record))), TIMEOUT)
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
+    assert f"outputs: {cfg.run_dir()}" in results[0][1]
+    assert not record.exists(), record.read_text()
+    summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["runtime"] == "fedml-GRPC"
+    # the same model as the local runtime
+    raw = cfg.to_dict()
+    raw["comm_args"] = {"backend": "local", "grpc_ipconfig_path": ""}
+    raw["common_args"]["training_type"] = "simulation"
+    local = run_local(validate(raw), run_dir=tmp_path / "local")
+    a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    b = load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    rows = [json.loads(x) for x in (cfg.run_dir() / "metrics.jsonl").read_text().splitlines()]
+    assert [r["test_acc"] for r in rows] == [
+        json.loads(x)["test_acc"] for x in (local.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+DYING_CLIENT = textwrap.dedent(
+    """
+    import os, sys
+    from fedml_ssfl.algorithms.fedavg_ssl import FedAvgSSL
+    from fedml_ssfl.cli import main
+
+    original = FedAvgSSL.client_update
+
+    def dying(self, msg, data, state, ctx):
+        if ctx.round_idx == 1:
+            os._exit(3)
+        return original(self, msg, data, state, ctx)
+
+    FedAvgSSL.client_update = dying
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_grpc_client_process_that_dies_is_detected(tmp_path):
+    # one server, one client (K = 2 silos); the client dies in round 1
+    cfg = grpc_config(tmp_path, 2, "train_args.client_num_in_total=2", "train_args.comm_round=4")
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(DYING_CLIENT)
+    t0 = time.monotonic()
+    results = finish(
+        start([sys.executable, str(launcher)], tmp_path / "c.yaml", 2, env(FEDML_SSFL_PROBE_INTERVAL="1")), TIMEOUT
+    )
+    (server_code, _, server_err), (client_code, _, _) = results
+    assert client_code == 3
+    assert server_code == 1, server_err[-4000:]
+    summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+    assert summary["status"] == "failed" and "rank 1 (silo" in summary["error"] and "unreachable" in summary["error"]
+    assert "rank 1 (silo" in server_err and "error:" in server_err
+    assert load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["round"] == 0
+    assert time.monotonic() - t0 < TIMEOUT
+    state = load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
