@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from fedml_ssfl.config import ExperimentConfig, load_config
 
-torch.set_num_threads(2)
+# One torch thread per process: the tests' models are tiny, several test processes (mpirun, GRPC)
+# share two cores, and OpenMP's spinning threads slow a 2-thread step 100x when a core is busy.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 SMALL = [
     "data_args.dataset=digits",
