@@ -15,10 +15,13 @@ from .config import ConfigError, ExperimentConfig, load_config
 
 log = logging.getLogger("fedml_ssfl")
 
+DEFAULT_JOB = Path(__file__).resolve().parent / "configs" / "default_job.yaml"
+"""The main job `fedml-ssfl run` runs with no config (also at configs/mnist5k/semifl.yaml)."""
+
 
 def _add_config_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     if positional:
-        p.add_argument("config", nargs="?", help="experiment YAML (default: the built-in main job)")
+        p.add_argument("config", nargs="?", help="experiment YAML (default: the main job, configs/mnist5k/semifl.yaml)")
     p.add_argument("--cf", dest="cf", help="experiment YAML (FedML's flag; same as the positional CONFIG)")
     p.add_argument(
         "--set",
@@ -33,7 +36,7 @@ def _add_config_args(p: argparse.ArgumentParser, positional: bool = True) -> Non
 def _config_path(args: argparse.Namespace) -> str | None:
     if args.config and args.cf and args.config != args.cf:
         raise ConfigError(f"two configs given ({args.config} and --cf {args.cf}); pass one")
-    return args.cf or args.config
+    return args.cf or args.config or str(DEFAULT_JOB)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(part)
     part.add_argument("--out", help="heat-map PNG path (default: <run dir>/partition.png)")
+
+    report = sub.add_parser("report", help="compare runs: one table and one accuracy-vs-round plot")
+    report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    report.add_argument("--out", type=Path, help="plot path (default: next to the first run)")
+    report.add_argument("--no-compare", action="store_true", help="leave out each run's compare/ baselines")
 
     export = sub.add_parser("export", help="a trained run or checkpoint to ONNX (+ .ort, int8) for edge devices")
     add_export_arguments(export)
@@ -138,6 +146,13 @@ def cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import report_runs
+
+    print(report_runs(args.run_dirs, out=args.out, include_compare=not args.no_compare))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from mobile_export.export import run_export_from_args
 
@@ -150,7 +165,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser)
 
 
-COMMANDS = {"run": cmd_run, "partition": cmd_partition, "export": cmd_export}
+COMMANDS = {"run": cmd_run, "partition": cmd_partition, "report": cmd_report, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

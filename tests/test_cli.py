@@ -22,8 +22,8 @@ def test_run_prints_server_only_beside_the_method(tmp_path, capsys):
     )
     assert main(["run", *args]) == 0
     out = capsys.readouterr().out
-    assert "server_only" in out and "fedavg_ssl" in out and "same split" in out
-    assert (tmp_path / "mnist5k_fedavg_ssl" / "compare" / "server_only" / "summary.json").is_file()
+    assert "server_only" in out and "semifl" in out and "same split" in out  # the main job's method
+    assert (tmp_path / "mnist5k_semifl" / "compare" / "server_only" / "summary.json").is_file()
 
 
 def test_config_typo_exits_2_and_names_the_key(tmp_path, capsys):
@@ -58,9 +58,20 @@ def test_print_config_shows_resolved_yaml(capsys):
 def test_export_subcommand_writes_a_verified_onnx_model(tmp_path, capsys):
     args = sets(*SMALL, f"common_args.output_dir={tmp_path}", "train_args.comm_round=1")
     assert main(["run", *args]) == 0
-    run_dir = tmp_path / "mnist5k_fedavg_ssl"
+    run_dir = tmp_path / "mnist5k_semifl"
     out = tmp_path / "edge"
     assert main(["export", str(run_dir), "--out", str(out), "--no-int8"]) == 0
     report = __import__("json").loads((out / "export_report.json").read_text())
     assert report["status"] == "ok", report
     assert main(["export", str(tmp_path / "missing"), "--out", str(out)]) == 1
+
+
+def test_report_compares_runs_in_one_table(tmp_path, capsys):
+    args = sets(*SMALL, f"common_args.output_dir={tmp_path}", "train_args.comm_round=1",
+                "common_args.compare_with=[server_only]")
+    assert main(["run", *args]) == 0
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "mnist5k_semifl"), "--out", str(tmp_path / "cmp.png")]) == 0
+    out = capsys.readouterr().out
+    assert "semifl" in out and "server_only" in out
+    assert (tmp_path / "cmp.png").stat().st_size > 1000

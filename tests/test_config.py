@@ -8,12 +8,18 @@ import yaml
 from fedml_ssfl.config import ConfigError, load_config, validate
 
 
-def test_default_config_is_the_main_job():
-    cfg = load_config()
-    assert cfg.data_args.dataset == "mnist5k"
-    assert cfg.data_args.num_server_labels == 50
+def test_the_main_job_is_semifl_on_mnist5k_against_server_only():
+    from pathlib import Path
+
+    from fedml_ssfl.cli import DEFAULT_JOB
+
+    cfg = load_config(DEFAULT_JOB)
+    assert cfg.algorithm == "semifl"
+    assert cfg.data_args.dataset == "mnist5k" and cfg.data_args.num_server_labels == 50
     assert cfg.train_args.client_num_in_total == 10
     assert cfg.common_args.compare_with == ["server_only"]
+    repo_copy = Path(__file__).resolve().parents[1] / "configs" / "mnist5k" / "semifl.yaml"
+    assert repo_copy.resolve() == DEFAULT_JOB.resolve()
 
 
 def test_unknown_key_names_it_and_the_closest_valid_one():

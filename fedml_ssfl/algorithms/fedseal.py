@@ -31,9 +31,8 @@ Deviations and choices where the paper is silent:
 * E_s and E_c (epochs) are expressed in steps: ``server_steps`` (default T) and
   ``train_args.local_steps``.
 * The paper gives no lambda schedule numbers; 0.1 -> 1 over 10 rounds is this project's
-  default. Bootstrapping length is not given either: by default it is the whole supervised
-  budget of the server-only baseline (``comm_round x server_steps`` steps), so ``w^0`` is the
-  server-only model.
+  default. Bootstrapping length is not given either: by default it is the supervised budget the
+  server spends over the whole run (``comm_round x server_steps`` steps), with a cosine decay.
 * Probabilities for the ensemble and for the thresholds come from the model in eval mode on
   unaugmented inputs (Eq. 5/7 write ``p(x_i; w)``).
 * With partial participation a client folds in only the global models it receives.
@@ -187,7 +186,7 @@ class FedSEALConfig(AlgorithmConfig):
         Server SGD steps per round (E_s epochs in the paper); None: ``train_args.local_steps``.
     bootstrap_steps : int or None
         Steps of server-only training for ``w^0`` (Sec. 4.1.3); None: ``comm_round x
-        server_steps`` (the server-only baseline's budget); 0 starts from a random model.
+        server_steps``; 0 starts from a random model.
     lr_decay : float
         Per-round learning-rate decay factor (paper: 0.995).
     lambda_start, lambda_end : float

@@ -28,7 +28,11 @@ exact mean and (biased) variance of those inputs. ``sbn`` picks whose data:
   reports the sums of the received model over its own data in ``extras["bn_sums"]`` (a few KB),
   and after the round the server sets the statistics of that model (the one it evaluates) from
   server + client sums. The final model, trained after the clients' last reply, gets
-  statistics from the server's data.
+  statistics from the server's data. Why the default: the authors compute the statistics over
+  all training data (server and clients), which needs the clients' images on the server;
+  per-layer sums give the same pooled statistics for the model the clients received while
+  only a few numbers per channel leave a client, and the exact pooled mean and variance need
+  nothing else (sums add up across parties).
 * ``server``: the server's data only, no client sums.
 * ``all_data_nonfederated``: the authors' code: the server reads every training image,
   including the clients'. Not federated; offered only for reproducing the paper.

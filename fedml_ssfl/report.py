@@ -1,0 +1,296 @@
+"""``fedml-ssfl report RUN_DIR [RUN_DIR ...]``: compare finished runs in one table and one plot.
+
+The papers present SSFL results as one table of final test accuracy per method (with the
+server-only lower bound beside them) and accuracy-versus-round curves. :func:`report_runs` reads
+each run directory written by the runtime (``summary.json``, ``metrics.jsonl``, ``config.yaml``)
+and produces both. A run made by ``fedml-ssfl run`` keeps its baselines under
+``compare/<name>/``; those are included automatically, so ``fedml-ssfl report runs/x`` shows the
+method beside server-only from the same split.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .tracking import read_metrics
+
+REFERENCE = "server_only"
+"""The baseline every row's gain is measured against (the lower bound of Bian et al., Diao et al.)."""
+
+
+@dataclass
+class RunRecord:
+    """What the report needs from one run directory."""
+
+    path: Path
+    algorithm: str
+    dataset: str
+    model: str
+    num_labels: int | None
+    split: tuple[Any, ...]
+    clients: str
+    seed: int | None
+    rounds_done: int
+    comm_round: int | None
+    final_acc: float
+    best_acc: float
+    mib_up_per_round: float
+    seconds_per_round: float
+    status: str
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    parent: Path | None = None
+    label: str = ""
+
+    @property
+    def split_key(self) -> tuple[Any, ...]:
+        """Runs with equal keys were trained on the same data split."""
+        return (self.dataset, self.num_labels, self.clients, self.seed, *self.split)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+
+
+def load_run(path: Path, parent: Path | None = None) -> RunRecord:
+    """Read one run directory into a :class:`RunRecord`.
+
+    Raises
+    ------
+    FileNotFoundError
+        When ``path`` holds neither ``metrics.jsonl`` nor ``summary.json``.
+    """
+    path = Path(path)
+    summary = _read_json(path / "summary.json")
+    rows = read_metrics(path / "metrics.jsonl")
+    if not summary and not rows:
+        raise FileNotFoundError(f"{path}: not a run directory (no summary.json or metrics.jsonl)")
+    cfg = _read_yaml(path / "config.yaml")
+    sect = {k: (v if isinstance(v, dict) else {}) for k, v in cfg.items()}
+    data, train, common = sect.get("data_args", {}), sect.get("train_args", {}), sect.get("common_args", {})
+    model = sect.get("model_args", {})
+    curve = [(int(r["round"]) + 1, float(r["test_acc"])) for r in rows if r.get("test_acc") is not None]
+    accs = [a for _, a in curve]
+    done = len(rows) or int(summary.get("rounds_completed", 0) or 0)
+    up = [r.get("bytes_up", 0) or 0 for r in rows]
+    secs = [r.get("seconds", 0.0) or 0.0 for r in rows]
+    algorithm = sect.get("ssfl_args", {}).get("algorithm") or summary.get("algorithm") or "?"
+    k, ck = train.get("client_num_in_total"), train.get("client_num_per_round")
+    final = _num(summary.get("final_test_acc")) if "final_test_acc" in summary else float("nan")
+    if math.isnan(final) and accs:
+        final = accs[-1]
+    best = _num(summary.get("best_test_acc")) if "best_test_acc" in summary else float("nan")
+    if math.isnan(best) and accs:
+        best = max(accs)
+    up_round = _num(summary.get("bytes_up_per_round")) if "bytes_up_per_round" in summary else float("nan")
+    if math.isnan(up_round):
+        up_round = sum(up) / len(up) if up else float("nan")
+    s_round = _num(summary.get("seconds_per_round")) if "seconds_per_round" in summary else float("nan")
+    if math.isnan(s_round):
+        s_round = sum(secs) / len(secs) if secs else float("nan")
+    model_name = summary.get("model") or (
+        f"{model.get('model')}-{model.get('norm')}" if model.get("model") else "?"
+    )
+    return RunRecord(
+        path=path,
+        algorithm=str(algorithm),
+        dataset=str(data.get("dataset") or summary.get("dataset") or "?"),
+        model=str(model_name),
+        num_labels=data.get("num_server_labels"),
+        split=tuple(
+            data.get(k)
+            for k in (
+                "num_server_val",
+                "partition_method",
+                "non_iid_r",
+                "partition_alpha",
+                "classes_per_client",
+                "label_scenario",
+            )
+        ),
+        clients=f"{k}/{ck}" if k is not None else "?",
+        seed=common.get("random_seed"),
+        rounds_done=done,
+        comm_round=train.get("comm_round") or summary.get("comm_round"),
+        final_acc=final,
+        best_acc=best,
+        mib_up_per_round=up_round / 2**20,
+        seconds_per_round=s_round,
+        status=str(summary.get("status") or "running"),
+        curve=curve,
+        parent=parent,
+    )
+
+
+def collect_runs(run_dirs: list[Path], include_compare: bool = True) -> list[RunRecord]:
+    """The runs to report: each directory's ``compare/*`` baselines first, then the run itself.
+
+    A directory given twice (or also reached as a baseline) is reported once.
+    """
+    records: list[RunRecord] = []
+    seen: set[Path] = set()
+    for given in run_dirs:
+        path = Path(given).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: no such run directory")
+        subs = (
+            sorted(p for p in (path / "compare").iterdir() if p.is_dir())
+            if include_compare and (path / "compare").is_dir()
+            else []
+        )
+        for sub in subs:
+            key = sub.resolve()
+            if key not in seen and ((sub / "summary.json").is_file() or (sub / "metrics.jsonl").is_file()):
+                seen.add(key)
+                records.append(load_run(sub, parent=path))
+        key = path.resolve()
+        if key not in seen:
+            seen.add(key)
+            records.append(load_run(path))
+    names = [r.algorithm for r in records]
+    for r in records:
+        r.label = r.algorithm if names.count(r.algorithm) == 1 else f"{r.algorithm} [{_short(r)}]"
+    return records
+
+
+def _short(r: RunRecord) -> str:
+    return f"{r.parent.name}/{r.path.name}" if r.parent is not None else r.path.name
+
+
+def _reference_for(r: RunRecord, records: list[RunRecord]) -> RunRecord | None:
+    """The server-only run from the same split: the same parent run's first, else any match."""
+    if r.algorithm == REFERENCE:
+        return None
+    candidates = [x for x in records if x.algorithm == REFERENCE and x.split_key == r.split_key]
+    own = [x for x in candidates if x.parent is not None and x.parent == r.path]
+    chosen = own or candidates
+    return chosen[0] if chosen else None
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.2f}%"
+
+
+def format_table(records: list[RunRecord]) -> str:
+    """The comparison table: one row per run, final and best accuracy, gain over server-only."""
+    width = max([len("method"), *(len(r.label) for r in records)]) + 2
+    head = (
+        f"{'method':<{width}}{'dataset':<12}{'model':<12}{'labels':>7}{'K/C_k':>8}{'rounds':>9}"
+        f"{'final acc':>11}{'best acc':>10}{'vs ' + REFERENCE:>16}{'MiB up/rnd':>12}{'s/round':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in records:
+        ref = _reference_for(r, records)
+        gain = (
+            ""
+            if ref is None or math.isnan(ref.final_acc) or math.isnan(r.final_acc)
+            else (f"{100 * (r.final_acc - ref.final_acc):+.2f} pts")
+        )
+        rounds = f"{r.rounds_done}/{r.comm_round}" if r.comm_round else str(r.rounds_done)
+        lines.append(
+            f"{r.label:<{width}}{r.dataset:<12}{r.model:<12}{str(r.num_labels):>7}{r.clients:>8}{rounds:>9}"
+            f"{_pct(r.final_acc):>11}{_pct(r.best_acc):>10}{gain:>16}"
+            f"{r.mib_up_per_round:>12.2f}{r.seconds_per_round:>9.2f}"
+        )
+    notes = [f"  {r.label}: {r.status}, {r.path}" for r in records]
+    return "\n".join([*lines, "", "runs:", *notes])
+
+
+def plot_accuracy(records: list[RunRecord], out: Path) -> Path:
+    """One accuracy-vs-round figure with a line per run; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in records:
+        if not r.curve:
+            continue
+        xs, ys = zip(*r.curve)
+        style = "--" if r.algorithm == REFERENCE else "-"
+        ax.plot(
+            xs,
+            [100 * y for y in ys],
+            style,
+            marker="." if len(xs) < 40 else None,
+            label=f"{r.label} ({_pct(r.final_acc)})",
+        )
+    datasets = sorted({r.dataset for r in records})
+    ax.set_title(", ".join(datasets) + ": test accuracy")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("communication round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    if any(r.curve for r in records):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def report_runs(run_dirs: list[Path], out: Path | None = None, include_compare: bool = True) -> str:
+    """Compare runs: return the table text and write one accuracy-vs-round PNG.
+
+    Parameters
+    ----------
+    run_dirs : list of Path
+        Run directories (``runs/<name>``); each one's ``compare/*`` baselines are included
+        unless ``include_compare`` is false.
+    out : Path, optional
+        The PNG to write (a directory gets ``accuracy_vs_round.png`` inside). Default:
+        ``<first run>/plots/compare_accuracy.png``.
+    include_compare : bool
+        Include the baselines stored under each run's ``compare/``.
+
+    Returns
+    -------
+    str
+        The table, the list of runs, and a last line ``plot: <path>``.
+
+    Raises
+    ------
+    FileNotFoundError
+        A path that is not a run directory.
+    ValueError
+        No run directory given.
+    """
+    if not run_dirs:
+        raise ValueError("report: give at least one run directory")
+    records = collect_runs([Path(p) for p in run_dirs], include_compare)
+    if out is None:
+        png = Path(run_dirs[0]).expanduser() / "plots" / "compare_accuracy.png"
+    else:
+        out = Path(out).expanduser()
+        png = out / "accuracy_vs_round.png" if out.is_dir() or not out.suffix else out
+    plot_accuracy(records, png)
+    return f"{format_table(records)}\nplot: {png}"

@@ -1,0 +1,338 @@
+"""SemiFL (Diao et al. 2022): fix/mix sets, mixup loss, server momentum, sBN, end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fedml_ssfl.algorithms.base import ClientContext, ClientData, DataInfo, Message, ServerData, TrainSettings
+from fedml_ssfl.algorithms.semifl import (
+    SemiFL,
+    SemiFLConfig,
+    apply_bn_sums,
+    bn_sums,
+    fix_mix_sets,
+    merge_bn_sums,
+    server_momentum_step,
+)
+from fedml_ssfl.checkpoint import load_checkpoint
+from fedml_ssfl.config import ConfigError, validate
+from fedml_ssfl.models import build_model
+from fedml_ssfl.runtime.local import run_local
+from fedml_ssfl.ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
+from fedml_ssfl.training import InputPipeline
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: the machine's cores are shared; restore the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+INFO = DataInfo(num_classes=3, in_channels=1, image_size=8, mean=(0.5,), std=(0.25,), flip=False)
+
+
+def _images(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (n, 1, 8, 8), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
+
+
+# ---- fix and mix sets --------------------------------------------------------------------------
+def test_fix_set_is_exactly_the_confident_samples() -> None:
+    probs = torch.tensor(
+        [
+            [0.96, 0.02, 0.02],  # confident, class 0
+            [0.50, 0.40, 0.10],  # not confident
+            [0.02, 0.03, 0.95],  # exactly at tau: kept (>=)
+            [0.10, 0.10, 0.80],  # not confident
+            [0.01, 0.98, 0.01],  # confident, class 1
+        ]
+    )
+    sets = fix_mix_sets(probs, 0.95, torch.Generator().manual_seed(0))
+    assert sets.fix.tolist() == [0, 2, 4]
+    assert sets.fix_labels.tolist() == [0, 2, 1]
+    # mix set: as many draws (with replacement) from all samples, labelled by their argmax
+    assert sets.mix.numel() == 3
+    assert ((sets.mix >= 0) & (sets.mix < 5)).all()
+    assert torch.equal(sets.mix_labels, probs.argmax(dim=1)[sets.mix])
+
+
+def test_mix_set_draws_with_replacement_from_all_samples() -> None:
+    probs = torch.zeros(6, 3)
+    probs[:, 0] = 1.0
+    probs[5] = torch.tensor([0.2, 0.5, 0.3])
+    g = torch.Generator().manual_seed(1)
+    drawn = torch.cat([fix_mix_sets(probs, 0.95, g).mix for _ in range(50)])
+    assert set(drawn.tolist()) == set(range(6))  # the unconfident sample 5 is drawn too
+
+
+def test_empty_fix_set() -> None:
+    sets = fix_mix_sets(torch.full((4, 3), 1 / 3), 0.95, torch.Generator().manual_seed(0))
+    assert sets.fix.numel() == 0 and sets.mix.numel() == 0
+
+
+# ---- mixup ---------------------------------------------------------------------------------------
+def test_mixup_loss_on_a_hand_made_batch() -> None:
+    logits = torch.tensor([[math.log(3.0), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    y_fix, y_mix = torch.tensor([0, 1]), torch.tensor([1, 1])
+    lam = 0.25
+    # sample 0: p = (3/5, 1/5, 1/5); sample 1: uniform 1/3
+    ce_fix = (-math.log(3 / 5) - math.log(1 / 3)) / 2
+    ce_mix = (-math.log(1 / 5) - math.log(1 / 3)) / 2
+    expected = lam * ce_fix + (1 - lam) * ce_mix
+    assert mixup_loss(logits, y_fix, y_mix, lam).item() == pytest.approx(expected, rel=1e-6)
+    x_a, x_b = torch.ones(2, 1, 2, 2), torch.zeros(2, 1, 2, 2)
+    assert torch.allclose(mix_inputs(x_a, x_b, lam), torch.full((2, 1, 2, 2), 0.25))
+
+
+def test_mix_lambda_is_reproducible_beta() -> None:
+    a = [sample_mix_lambda(0.75, torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert a[0] == a[1]
+    g = torch.Generator().manual_seed(4)
+    draws = torch.tensor([sample_mix_lambda(0.75, g) for _ in range(2000)])
+    assert ((draws >= 0) & (draws <= 1)).all()
+    assert draws.mean().item() == pytest.approx(0.5, abs=0.03)
+    # Beta(0.75, 0.75) is U-shaped: variance 1 / (4 (2a + 1)) = 0.1 > uniform's 1/12
+    assert draws.var().item() == pytest.approx(0.1, abs=0.015)
+
+
+# ---- server momentum ----------------------------------------------------------------------------
+def test_server_momentum_on_hand_made_tensors() -> None:
+    keys = {"w"}
+    glob = {"w": torch.tensor([1.0, 2.0]), "running_mean": torch.tensor([9.0])}
+    avg = {"w": torch.tensor([0.5, 1.0]), "running_mean": torch.tensor([3.0])}
+    new, buf = server_momentum_step(glob, avg, {}, lr=1.0, momentum=0.5, param_keys=keys)
+    # first step: buf = g = w_global - w_avg; w = w_global - buf = w_avg
+    assert torch.allclose(buf["w"], torch.tensor([0.5, 1.0]))
+    assert torch.allclose(new["w"], torch.tensor([0.5, 1.0]))
+    assert new["running_mean"].item() == 3.0  # buffers come from the average
+    # second step: g = (0.5, 1.0) - (0.25, 0.5) = (0.25, 0.5); buf = 0.5 * buf + g = (0.5, 1.0)
+    new2, buf2 = server_momentum_step(
+        new,
+        {"w": torch.tensor([0.25, 0.5]), "running_mean": torch.tensor([1.0])},
+        buf,
+        lr=1.0,
+        momentum=0.5,
+        param_keys=keys,
+    )
+    assert torch.allclose(buf2["w"], torch.tensor([0.5, 1.0]))
+    assert torch.allclose(new2["w"], torch.tensor([0.0, 0.0]))
+    assert torch.allclose(buf["w"], torch.tensor([0.5, 1.0]))  # inputs untouched
+
+
+def test_server_momentum_matches_torch_sgd() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, generator=g)
+    param = nn.Parameter(w.clone())
+    opt = torch.optim.SGD([param], lr=0.7, momentum=0.5)
+    state, buf = {"p": w.clone()}, {}
+    for _ in range(4):
+        avg = {"p": state["p"] + torch.randn(5, generator=g)}
+        param.grad = param.data - avg["p"]
+        opt.step()
+        state, buf = server_momentum_step(state, avg, buf, lr=0.7, momentum=0.5, param_keys={"p"})
+        assert torch.allclose(state["p"], param.data, atol=1e-6)
+
+
+# ---- static BatchNorm ------------------------------------------------------------------------------
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("cnn28", num_classes=3, in_channels=1, image_size=8, norm="bn")
+
+
+def test_sbn_statistics_equal_those_of_the_data() -> None:
+    model = _bn_model()
+    images = _images(40)
+    pipeline = InputPipeline(INFO, torch.device("cpu"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sums = bn_sums(model, pipeline, images, torch.arange(40), batch_size=40)
+    for k, v in model.state_dict().items():  # the pass leaves the model's buffers alone
+        assert torch.equal(v, before[k]), k
+    assert set(sums) == {"norm1", "norm2", "norm3"}
+
+    # the inputs every BN layer sees in one train-mode pass over the same batch
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        getattr(model, n).register_forward_pre_hook(lambda m, i, n=n: seen.__setitem__(n, i[0].detach()))
+        for n in sums
+    ]
+    model.train()
+    with torch.no_grad():
+        model(pipeline.plain(images))
+    for h in hooks:
+        h.remove()
+    new_state = apply_bn_sums(model.state_dict(), sums)
+    for name, x in seen.items():
+        x = x.double()
+        assert sums[name]["count"].item() == x.numel() // x.shape[1]
+        assert torch.allclose(new_state[f"{name}.running_mean"].double(), x.mean(dim=(0, 2, 3)), atol=1e-5)
+        assert torch.allclose(
+            new_state[f"{name}.running_var"].double(), x.var(dim=(0, 2, 3), unbiased=False), atol=1e-5
+        )
+
+
+def test_sbn_sums_add_up_across_parties() -> None:
+    model = _bn_model()
+    images = _images(30, seed=1)
+    pipeline = InputPipeline(INFO, torch.device("cpu"))
+    whole = bn_sums(model, pipeline, images, torch.arange(30), batch_size=10)
+    parts = [bn_sums(model, pipeline, images, torch.arange(i, i + 10), batch_size=10) for i in (0, 10, 20)]
+    merged = merge_bn_sums(parts)
+    for name in whole:
+        for key in ("sum", "sumsq", "count"):
+            assert torch.allclose(merged[name][key], whole[name][key]), (name, key)
+    # the first layer's input does not depend on batching: its mean is that of conv1(x)
+    x = model.conv1(pipeline.plain(images)).detach().double()
+    mean = apply_bn_sums(model.state_dict(), merged)["norm1.running_mean"]
+    assert torch.allclose(mean.double(), x.mean(dim=(0, 2, 3)), atol=1e-5)
+
+
+def test_sbn_is_a_no_op_for_groupnorm() -> None:
+    model = build_model("cnn28", num_classes=3, in_channels=1, image_size=8, norm="gn")
+    pipeline = InputPipeline(INFO, torch.device("cpu"))
+    assert bn_sums(model, pipeline, _images(8), torch.arange(8), batch_size=8) == {}
+
+
+# ---- the algorithm's protocol ---------------------------------------------------------------------
+def _algo(**kw) -> SemiFL:
+    images = _images(60, seed=2)
+    labels = torch.randint(0, 3, (60,), generator=torch.Generator().manual_seed(5))
+    server = ServerData(
+        images=images, labels=labels, labeled_idx=torch.arange(0, 12), val_idx=torch.arange(0), num_classes=3
+    )
+    algo = SemiFL(
+        SemiFLConfig(**kw),
+        lambda: build_model("cnn28", num_classes=3, in_channels=1, image_size=8, norm="bn"),
+        server,
+        INFO,
+        TrainSettings(local_steps=2, batch_size=8, comm_round=3),
+        torch.device("cpu"),
+        0,
+    )
+    algo.setup()
+    return algo
+
+
+def test_empty_fix_set_sends_nothing_and_the_server_copes() -> None:
+    algo = _algo(threshold=1.0)  # nothing reaches probability 1 from a fresh model
+    algo.server_step(0)
+    sent = {k: v.clone() for k, v in algo.global_state.items()}
+    data = ClientData(
+        client_id=0,
+        images=algo.server_data.images,
+        labels=algo.server_data.labels,
+        unlabeled_idx=torch.arange(12, 60),
+        labeled_idx=torch.arange(0),
+        num_classes=3,
+    )
+    reply = algo.client_update(algo.message_for(0, 0), data, {}, ClientContext(0, torch.device("cpu"), 0))
+    assert reply.is_empty and reply.weights == {}
+    assert set(reply.extras) == {"metrics"} and reply.extras["metrics"]["mask_rate"] == 0.0
+    metrics = algo.aggregate({0: reply, 1: Message()}, 0)
+    assert metrics["clients_sent"] == 0.0
+    assert algo.momentum_buffer == {}
+    for k, v in sent.items():
+        assert torch.equal(algo.base_state[k], v)
+    algo.finalize()  # still works with nothing received
+
+
+def test_config_errors_name_the_key() -> None:
+    base = {"data_args": {"dataset": "digits"}, "model_args": {"model": "cnn28"}}
+    for bad, key in [
+        ({"sbn": "global"}, "ssfl_args.sbn"),
+        ({"threshold": 1.5}, "ssfl_args.threshold"),
+        ({"pseudo_labels": "x"}, "ssfl_args.pseudo_labels"),
+        ({"mixup_alpha": 0}, "ssfl_args.mixup_alpha"),
+        ({"server_momentum": 1.0}, "ssfl_args.server_momentum"),
+        ({"local_epochs": 0}, "ssfl_args.local_epochs"),
+    ]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate({**base, "ssfl_args": {"algorithm": "semifl", **bad}})
+    cfg = validate({**base, "ssfl_args": {"algorithm": "semifl"}})
+    assert cfg.ssfl_args.sbn == "federated" and cfg.ssfl_args.threshold == 0.95
+    assert cfg.ssfl_args.mixup_alpha == 0.75 and cfg.ssfl_args.server_momentum == 0.5
+
+
+# ---- end to end -----------------------------------------------------------------------------------------
+def _digits_cfg(tmp_path, rounds: int, **ssfl):
+    return validate(
+        {
+            "common_args": {"output_dir": str(tmp_path), "run_name": "semifl", "compare_with": []},
+            "data_args": {"dataset": "digits", "num_server_labels": 30},
+            "model_args": {"model": "cnn28", "norm": "bn"},
+            "train_args": {
+                "client_num_in_total": 4,
+                "client_num_per_round": 4,
+                "comm_round": rounds,
+                "local_steps": 12,
+                "batch_size": 32,
+                "learning_rate": 0.05,
+            },
+            "device_args": {"num_threads": 1},
+            "tracking_args": {"enable_tensorboard": False, "progress_bar": False, "checkpoint_every": 1},
+            "ssfl_args": {"algorithm": "semifl", "server_steps": 40, "threshold": 0.8, **ssfl},
+        }
+    )
+
+
+def test_semifl_end_to_end_beats_the_server_alone(tmp_path) -> None:
+    # Control: threshold 1 leaves every fix set empty, so no client sends and the same schedule is
+    # the server fine-tuning alone (measured 81.3%). SemiFL's clients must add to it (88.6%).
+    result = run_local(_digits_cfg(tmp_path, rounds=4), run_dir=tmp_path / "run")
+    control = run_local(_digits_cfg(tmp_path, rounds=4, threshold=1.0), run_dir=tmp_path / "control")
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    control_rows = [json.loads(r) for r in (tmp_path / "control" / "metrics.jsonl").read_text().splitlines()]
+    # (round 0's accuracies differ slightly: with federated sBN the clients' sums enter the statistics)
+    assert all(r["bytes_up"] == 0 for r in control_rows) and sum(r["bytes_up"] for r in rows) > 0
+    assert rows[-1]["client_pseudo_acc"] > 0.9
+    assert result.final_acc >= 0.85, (control.final_acc, result.final_acc)
+    assert result.final_acc >= control.final_acc + 0.04, (control.final_acc, result.final_acc)
+
+
+@pytest.mark.parametrize(
+    "ssfl",
+    [
+        {"pseudo_labels": "batch", "sbn": "server"},
+        {"fine_tune": False, "final_fine_tune": False, "sbn": "off", "local_epochs": 1},
+        {"sbn": "all_data_nonfederated", "nesterov": False},
+    ],
+)
+def test_semifl_ablations_run(tmp_path, ssfl) -> None:
+    cfg = _digits_cfg(tmp_path, rounds=2, **ssfl)
+    cfg.train_args.local_steps = 3
+    cfg.ssfl_args.server_steps = 30
+    result = run_local(cfg, run_dir=tmp_path / "run")
+    assert result.rounds_completed == 2 and result.final_acc > 0.15  # smoke test: above chance (10%)
+
+
+def test_semifl_resume_is_exact(tmp_path) -> None:
+    cfg = _digits_cfg(tmp_path, rounds=3)
+    cfg.train_args.local_steps = 4
+    full = run_local(cfg, run_dir=tmp_path / "full")
+    run_local(cfg, run_dir=tmp_path / "part", stop_after=2)
+    resumed = run_local(cfg, run_dir=tmp_path / "part", resume=True)
+    assert resumed.final_acc == full.final_acc
+    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "last.pt")["algorithm"]
+    b = load_checkpoint(tmp_path / "part" / "checkpoints" / "last.pt")["algorithm"]
+    for k, v in a["global_state"].items():
+        assert torch.equal(v, b["global_state"][k]), k
+    assert a["momentum_buffer"].keys() == b["momentum_buffer"].keys() and a["momentum_buffer"]
+
+
+def test_uniform_average_not_sample_weighted() -> None:
+    # Diao et al.: W_s = 1/M_t sum_m W_m, whatever the clients' data sizes
+    algo = _algo(server_momentum=0.0)
+    algo.server_step(0)
+    sent = algo.global_state
+    w1 = {k: (v + 1.0 if v.is_floating_point() else v) for k, v in sent.items()}
+    w2 = {k: (v + 3.0 if v.is_floating_point() else v) for k, v in sent.items()}
+    algo.aggregate({0: Message(weights=w1, num_samples=1), 1: Message(weights=w2, num_samples=100)}, 0)
+    assert torch.allclose(algo.base_state["fc.weight"], sent["fc.weight"] + 2.0, atol=1e-6)
