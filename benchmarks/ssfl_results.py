@@ -45,7 +45,9 @@ VARIANTS = {
         ("semifl (paper defaults: tau 0.95, server steps = T)", [], None),
         ("semifl (the main job: BN, tau 0.9, 100 server steps, lr 0.1, 20 rounds)", [], MAIN_JOB),
     ],
-    "fedseal": [("fedseal (paper defaults; + 100-sample server validation set)", ["data_args.num_server_val=100"], None)],
+    "fedseal": [
+        ("fedseal (paper defaults; + 100-sample server validation set)", ["data_args.num_server_val=100"], None)
+    ],
 }
 
 NOTES = """\
