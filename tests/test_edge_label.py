@@ -27,8 +27,6 @@ def models(tmp_path_factory):
     from fedml_ssfl.models import build_model
     from mobile_export.export import EdgeMetadata, export_model
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     images = np.random.default_rng(1).integers(0, 256, (32, 1, 8, 8), dtype=np.uint8)
     paths = {}
     for tag, seed, rnd, run in (("v3", 0, 3, "runA"), ("v4", 1, 4, "runA"), ("other", 2, 0, "runB")):
@@ -41,7 +39,6 @@ def models(tmp_path_factory):
         out = tmp_path_factory.mktemp(tag)
         export_model(net, out, meta, test_images=images, quantize=False)
         paths[tag] = out / "model.ort"
-    torch.set_num_threads(before)
     return paths
 
 

@@ -42,15 +42,6 @@ def _fit(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std
     model.eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Small models on a shared 2-core machine run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     """A real (tiny) run on digits whose checkpointed global model is then fitted for a few seconds."""

@@ -26,15 +26,6 @@ from fedml_ssfl.ssl.negative import complementary_loss, sample_complementary_lab
 from fedml_ssfl.training import InputPipeline
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: the machine's cores are shared; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- Eq. 5 ----------------------------------------------------------------------------------------
 def test_thresholds_on_a_hand_made_validation_set() -> None:
     probs = torch.tensor(

@@ -26,16 +26,6 @@ from fedml_ssfl.runtime.local import run_local
 from fedml_ssfl.ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
 from fedml_ssfl.training import InputPipeline
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: the machine's cores are shared; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 INFO = DataInfo(num_classes=3, in_channels=1, image_size=8, mean=(0.5,), std=(0.25,), flip=False)
 
 

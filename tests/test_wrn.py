@@ -10,14 +10,6 @@ from fedml_ssfl.models import available_models, build_model, classifier_prefix, 
 from fedml_ssfl.models.wrn import WideResNet
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def wrn_parameter_formula(in_channels: int, num_classes: int, widen: int, depth: int = 28) -> int:
     """The closed form of the module docstring, computed independently of the model code."""
     n = (depth - 4) // 6
