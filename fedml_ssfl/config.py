@@ -251,14 +251,13 @@ def coerce_value(where: str, value: Any, tp: Any) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce_value(where, value, arg)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                continue
         raise ConfigError(f"{where}: {value!r} is not any of {' | '.join(_type_name(a) for a in args)}")
     if origin is list:
         if not isinstance(value, (list, tuple)):

@@ -19,7 +19,6 @@ Round protocol, driven by the runtime::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -277,7 +276,3 @@ class Algorithm:
         """
         raise NotImplementedError
 
-
-def config_fields(cls: type[AlgorithmConfig]) -> dict[str, dataclasses.Field]:
-    """The fields of an algorithm config dataclass, by name."""
-    return {f.name: f for f in dataclasses.fields(cls)}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
-from collections.abc import Callable
 from typing import TypeVar
 
 from .base import Algorithm
@@ -65,5 +64,3 @@ def create(name: str, **kwargs) -> Algorithm:
     """Instantiate algorithm ``name`` with the :class:`Algorithm` constructor arguments."""
     return get_algorithm(name)(**kwargs)
 
-
-Factory = Callable[..., Algorithm]
