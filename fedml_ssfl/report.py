@@ -53,22 +53,13 @@ class RunRecord:
         return (self.dataset, self.num_labels, self.clients, self.seed, *self.split)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_mapping(path: Path, parse: Any) -> dict[str, Any]:
+    """A JSON/YAML file's top-level mapping, or ``{}`` when it is missing or unreadable."""
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError:
+        data = parse(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -86,11 +77,11 @@ def load_run(path: Path, parent: Path | None = None) -> RunRecord:
         When ``path`` holds neither ``metrics.jsonl`` nor ``summary.json``.
     """
     path = Path(path)
-    summary = _read_json(path / "summary.json")
+    summary = _read_mapping(path / "summary.json", json.loads)
     rows = read_metrics(path / "metrics.jsonl")
     if not summary and not rows:
         raise FileNotFoundError(f"{path}: not a run directory (no summary.json or metrics.jsonl)")
-    cfg = _read_yaml(path / "config.yaml")
+    cfg = _read_mapping(path / "config.yaml", yaml.safe_load)
     sect = {k: (v if isinstance(v, dict) else {}) for k, v in cfg.items()}
     data, train, common = sect.get("data_args", {}), sect.get("train_args", {}), sect.get("common_args", {})
     model = sect.get("model_args", {})

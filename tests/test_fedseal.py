@@ -203,8 +203,9 @@ def test_client_state_holds_the_ensemble_of_received_models() -> None:
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
-def _digits_run(tmp_path, name: str, **ssfl):
-    cfg = validate(
+def _digits_config(tmp_path, name: str, train: dict | None = None, tracking: dict | None = None, **ssfl):
+    """FedSEAL on digits with 4 clients; ``train`` / ``tracking`` / ``ssfl`` override the defaults."""
+    return validate(
         {
             "common_args": {"output_dir": str(tmp_path), "run_name": name, "compare_with": []},
             "data_args": {"dataset": "digits", "num_server_labels": 30, "num_server_val": 50},
@@ -216,9 +217,10 @@ def _digits_run(tmp_path, name: str, **ssfl):
                 "local_steps": 8,
                 "batch_size": 32,
                 "learning_rate": 0.03,
+                **(train or {}),
             },
             "device_args": {"num_threads": 1},
-            "tracking_args": {"enable_tensorboard": False, "progress_bar": False},
+            "tracking_args": {"enable_tensorboard": False, "progress_bar": False, **(tracking or {})},
             "ssfl_args": {
                 "algorithm": "fedseal",
                 "server_steps": 40,
@@ -228,6 +230,10 @@ def _digits_run(tmp_path, name: str, **ssfl):
             },
         }
     )
+
+
+def _digits_run(tmp_path, name: str, **ssfl):
+    cfg = _digits_config(tmp_path, name, **ssfl)
     result = run_local(cfg, run_dir=tmp_path / name)
     rows = [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return result, rows
@@ -248,22 +254,13 @@ def test_fedseal_end_to_end_beats_the_server_alone(tmp_path) -> None:
 
 
 def test_fedseal_resume_is_exact(tmp_path) -> None:
-    cfg = validate(
-        {
-            "common_args": {"output_dir": str(tmp_path), "run_name": "r", "compare_with": []},
-            "data_args": {"dataset": "digits", "num_server_labels": 30, "num_server_val": 50},
-            "model_args": {"model": "cnn28", "norm": "bn"},
-            "train_args": {
-                "client_num_in_total": 3,
-                "client_num_per_round": 2,
-                "comm_round": 3,
-                "local_steps": 3,
-                "batch_size": 32,
-            },
-            "device_args": {"num_threads": 1},
-            "tracking_args": {"enable_tensorboard": False, "progress_bar": False, "checkpoint_every": 1},
-            "ssfl_args": {"algorithm": "fedseal", "server_steps": 5, "bootstrap_steps": 20},
-        }
+    cfg = _digits_config(
+        tmp_path,
+        "r",
+        train={"client_num_in_total": 3, "client_num_per_round": 2, "comm_round": 3, "local_steps": 3},
+        tracking={"checkpoint_every": 1},
+        server_steps=5,
+        bootstrap_steps=20,
     )
     full = run_local(cfg, run_dir=tmp_path / "full")
     run_local(cfg, run_dir=tmp_path / "part", stop_after=2)

@@ -94,7 +94,7 @@ class FedAvgSL(GlobalModelAlgorithm):
             self.train,
             ctx.round_idx,
             ctx.generator(data.client_id),
-            party=client_party(ctx, data.client_id),
+            party=client_party(data.client_id),
         )
         return Message(
             weights=cpu_state(model), num_samples=int(idx.numel()), extras={"metrics": {"loss": loss}}

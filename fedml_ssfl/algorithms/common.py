@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import seeding
 from ..training import InputPipeline, cpu_state, load_weights, supervised_steps
-from .base import Algorithm, ClientContext, Message
+from .base import Algorithm, Message
 
 
 class GlobalModelAlgorithm(Algorithm):
@@ -79,6 +79,6 @@ class GlobalModelAlgorithm(Algorithm):
         self.global_state = state["global_state"]
 
 
-def client_party(ctx: ClientContext, client_id: int) -> str:
+def client_party(client_id: int) -> str:
     """How a client is named in error messages."""
     return f"client {client_id}"

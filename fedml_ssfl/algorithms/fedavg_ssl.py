@@ -127,7 +127,7 @@ class FedAvgSSL(GlobalModelAlgorithm):
         gen = ctx.generator(data.client_id)
         opt = make_optimizer(model, self.train)
         stream = BatchStream(data.unlabeled_idx, self.train.batch_size, gen)
-        party = client_party(ctx, data.client_id)
+        party = client_party(data.client_id)
         loss_sum = mask_sum = correct = kept = 0.0
         for s in range(self.train.local_steps):
             set_lr(opt, cosine_lr(self.train, ctx.round_idx * self.train.local_steps + s))

@@ -420,7 +420,7 @@ class FedSEAL(GlobalModelAlgorithm):
         set_lr(opt, self.round_lr(round_idx))
         pos_stream = BatchStream(pos, self.train.batch_size, gen) if pos.numel() else None
         neg_stream = BatchStream(neg, self.train.batch_size, gen) if neg.numel() else None
-        party = client_party(ctx, data.client_id)
+        party = client_party(data.client_id)
         total = 0.0
         for _ in range(self.train.local_steps):
             loss = torch.zeros((), device=ctx.device)

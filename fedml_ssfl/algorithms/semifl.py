@@ -525,7 +525,7 @@ class SemiFL(GlobalModelAlgorithm):
         positions = torch.arange(sets.fix.numel())
         fix_stream = BatchStream(positions, bs, gen)
         mix_stream = BatchStream(positions, bs, gen)
-        party = client_party(ctx, data.client_id)
+        party = client_party(data.client_id)
         loss_sum = lam_sum = 0.0
         for _ in range(steps):
             fb, mb = next(fix_stream), next(mix_stream)
@@ -567,7 +567,7 @@ class SemiFL(GlobalModelAlgorithm):
         opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
         stream = BatchStream(data.unlabeled_idx, bs, gen)
         truth_all = data.labels
-        party = client_party(ctx, data.client_id)
+        party = client_party(data.client_id)
         kept = correct = seen = 0
         loss_sum = lam_sum = 0.0
         taken = 0
