@@ -78,13 +78,18 @@ def _value_nbytes(v: Any) -> int:
     return 0
 
 
+DIAGNOSTIC_EXTRAS = ("metrics", "eval_weights")
+"""``extras`` keys that are logging, not protocol: ``metrics`` (client diagnostics) and
+``eval_weights`` (a model a client hands to the simulator only so that it can be tested, e.g. the
+local-only baselines' private models). Neither is counted as communication."""
+
+
 def message_nbytes(msg: Message) -> int:
     """Bytes of a message's payload: every tensor in ``weights`` and ``extras``.
 
-    Client-side diagnostics under ``extras["metrics"]`` are not counted: they are logging,
-    not protocol.
+    Keys in :data:`DIAGNOSTIC_EXTRAS` are not counted: they are logging, not protocol.
     """
-    extras = {k: v for k, v in msg.extras.items() if k != "metrics"}
+    extras = {k: v for k, v in msg.extras.items() if k not in DIAGNOSTIC_EXTRAS}
     return sum(tensor_nbytes(t) for t in msg.weights.values()) + _value_nbytes(extras)
 
 
@@ -252,6 +257,14 @@ class Algorithm:
     def global_model(self) -> nn.Module:
         """The model to evaluate and export."""
         raise NotImplementedError
+
+    def evaluation_models(self) -> list[nn.Module]:
+        """The models whose mean test accuracy is the run's accuracy. Default: the global model.
+
+        Algorithms without one global model (the local-only baselines) return one model per
+        client; the runtime then logs the mean, min and max accuracy over them.
+        """
+        return [self.global_model()]
 
     def finalize(self) -> None:
         """Work after the last round (e.g. a final fine-tune). Default: nothing."""

@@ -197,15 +197,22 @@ class RunRecorder:
             algo.finalize()
         acc = None
         if is_eval_round(cfg, r, end):
-            ev = evaluate(
-                algo.global_model(),
-                self.exp.dataset.test_images,
-                self.exp.dataset.test_labels,
-                self.exp.data_info,
-                self.exp.device,
-                cfg.validation_args.eval_batch_size,
-            )
+            evals = [
+                evaluate(
+                    model,
+                    self.exp.dataset.test_images,
+                    self.exp.dataset.test_labels,
+                    self.exp.data_info,
+                    self.exp.device,
+                    cfg.validation_args.eval_batch_size,
+                )
+                for model in algo.evaluation_models()
+            ]
+            ev = {key: sum(e[key] for e in evals) / len(evals) for key in ("acc", "loss")}
             row["test_acc"], row["test_loss"] = ev["acc"], ev["loss"]
+            if len(evals) > 1:
+                row["test_acc_min"] = min(e["acc"] for e in evals)
+                row["test_acc_max"] = max(e["acc"] for e in evals)
             acc = self.last_acc = ev["acc"]
             self.best = acc if math.isnan(self.best) else max(self.best, acc)
         self.tracker.log_round(row)
