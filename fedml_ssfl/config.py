@@ -45,7 +45,20 @@ class CommonArgs:
 
 @dataclass
 class DataArgs:
-    """``data_args``: dataset, partition and label scenario (Zhang et al.'s R, N_s)."""
+    """``data_args``: dataset, partition and label scenario (Zhang et al.'s R, N_s).
+
+    Partition methods (details in :mod:`fedml_ssfl.data.partition`): ``iid``, ``r`` (Zhang et
+    al.'s R), ``dirichlet``, ``shards``; FedMatch's tasks ``batch_iid`` (= iid), ``batch_noniid``
+    (class-imbalanced clients: main class k mod d at 50%, its neighbours 15%, the others 3%, the
+    opposite class 2%, mixed with uniform by ``imbalance_strength``) and ``streaming_noniid``
+    (batch_noniid whose unlabeled data arrives in ``num_stages`` cumulative stages, one every
+    ``rounds_per_stage`` rounds); FedSiam's labels-at-client settings ``noniid_1`` (labeled and
+    unlabeled from ``classes_per_client`` distinct classes; also the labels-at-server non-IID
+    setting), ``noniid_2`` (labeled from ``classes_per_client`` classes, unlabeled from all; client
+    scenario only) and ``noniid_3`` (iid; ``rich_client_fraction`` of the clients label
+    ``rich_label_ratio`` of their data, the rest ``poor_label_ratio``; client scenario only).
+    FedSiam IID is ``iid`` with ``client_label_ratio``.
+    """
 
     dataset: str = "mnist5k"
     data_cache_dir: str = "~/.cache/fedml_ssfl/data"
@@ -53,11 +66,21 @@ class DataArgs:
     label_scenario: str = "server"  # server (labels-at-server) | client (labels-at-client)
     num_server_labels: int = 50  # N_s
     num_server_val: int = 0
-    partition_method: str = "iid"  # iid | r | dirichlet | shards
+    # iid | r | dirichlet | shards | batch_iid | batch_noniid | streaming_noniid | noniid_1 | noniid_2 | noniid_3
+    partition_method: str = "iid"
     non_iid_r: float = 0.4  # R (Zhang et al. Eq. 1) for partition_method r
     partition_alpha: float = 0.5  # Dirichlet concentration
-    classes_per_client: int = 2  # shards
-    labels_per_class_client: int = 5  # labels-at-client
+    classes_per_client: int = 2  # shards: shards per client; noniid_1 / noniid_2: distinct classes per client
+    labels_per_class_client: int = 5  # labels-at-client: labeled samples per class per client (FedMatch: 5)
+    # labels-at-client: FedSiam's gamma, the labeled fraction of each client's data (0.1 / 0.15 / 0.2), stratified
+    # by class; 0 = use labels_per_class_client. Not with batch_noniid / streaming_noniid / noniid_3.
+    client_label_ratio: float = 0.0
+    imbalance_strength: float = 1.0  # batch_noniid / streaming_noniid: 1 = FedMatch's profile (max/min 25), 0 = iid
+    num_stages: int = 10  # streaming_noniid: T stages of each client's unlabeled data
+    rounds_per_stage: int = 10  # streaming_noniid: stage s is released at round s * rounds_per_stage
+    rich_client_fraction: float = 0.1  # noniid_3: fraction of label-rich clients (10 of 100)
+    rich_label_ratio: float = 0.55  # noniid_3: labeled fraction of a rich client's data
+    poor_label_ratio: float = 0.05  # noniid_3: labeled fraction of the other clients' data
     synthetic_num_samples: int = 2000
     synthetic_num_classes: int = 10
     synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
@@ -146,7 +169,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "common_args.training_type": ("simulation", "cross_silo"),
     "common_args.scenario": ("horizontal",),
     "data_args.label_scenario": ("server", "client"),
-    "data_args.partition_method": ("iid", "r", "dirichlet", "shards"),
+    "data_args.partition_method": (
+        "iid",
+        "r",
+        "dirichlet",
+        "shards",
+        "batch_iid",
+        "batch_noniid",
+        "streaming_noniid",
+        "noniid_1",
+        "noniid_2",
+        "noniid_3",
+    ),
     "model_args.norm": ("bn", "gn", "none"),
     "train_args.lr_schedule": ("cosine", "constant"),
     "train_args.client_optimizer": ("sgd",),
@@ -162,6 +196,13 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("data_args.partition_alpha", 0.0, None, False),
     ("data_args.classes_per_client", 1, None, True),
     ("data_args.labels_per_class_client", 0, None, True),
+    ("data_args.client_label_ratio", 0.0, 1.0, True),
+    ("data_args.imbalance_strength", 0.0, 1.0, True),
+    ("data_args.num_stages", 1, None, True),
+    ("data_args.rounds_per_stage", 1, None, True),
+    ("data_args.rich_client_fraction", 0.0, 1.0, True),
+    ("data_args.rich_label_ratio", 0.0, 1.0, True),
+    ("data_args.poor_label_ratio", 0.0, 1.0, True),
     ("data_args.synthetic_num_samples", 1, None, True),
     ("data_args.synthetic_num_classes", 2, None, True),
     ("train_args.client_num_in_total", 1, None, True),
@@ -334,6 +375,28 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
         )
     if len(cfg.data_args.synthetic_shape) != 3:
         raise ConfigError("data_args.synthetic_shape: expected [channels, height, width]")
+    _check_partition(cfg.data_args)
+
+
+def _check_partition(d: DataArgs) -> None:
+    """The partition method's keys go together (labels-at-client-only methods, label ratio gamma ...)."""
+    from .data.partition import check_method_options  # late: the data package imports torch
+
+    try:
+        check_method_options(
+            method=d.partition_method,
+            scenario=d.label_scenario,
+            classes_per_client=d.classes_per_client,
+            client_label_ratio=d.client_label_ratio,
+            imbalance_strength=d.imbalance_strength,
+            num_stages=d.num_stages,
+            rounds_per_stage=d.rounds_per_stage,
+            rich_client_fraction=d.rich_client_fraction,
+            rich_label_ratio=d.rich_label_ratio,
+            poor_label_ratio=d.poor_label_ratio,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def validate(raw: dict[str, Any]) -> ExperimentConfig:

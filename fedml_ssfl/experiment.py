@@ -35,13 +35,19 @@ class Experiment:
     algorithm: Algorithm
     device: torch.device
 
-    def client_data(self, client_id: int) -> ClientData:
-        """Client ``client_id``'s index arrays into the shared training tensor."""
+    def client_data(self, client_id: int, round_idx: int | None = None) -> ClientData:
+        """Client ``client_id``'s index arrays into the shared training tensor, as seen at ``round_idx``.
+
+        With a streaming partition (``streaming_noniid``) and a round given, the unlabeled indices
+        are only the stages released by that round (:meth:`~fedml_ssfl.data.Split.unlabeled_at`,
+        a pure function of the round, so both runtimes and resumed runs see the same data);
+        ``round_idx=None`` gives all of them. The labeled indices never depend on the round.
+        """
         return ClientData(
             client_id=client_id,
             images=self.dataset.train_images,
             labels=self.dataset.train_labels,
-            unlabeled_idx=self.split.client_unlabeled[client_id],
+            unlabeled_idx=self.split.unlabeled_at(client_id, round_idx),
             labeled_idx=self.split.client_labeled[client_id],
             num_classes=self.dataset.num_classes,
         )
@@ -51,9 +57,7 @@ def resolve_device(cfg: ExperimentConfig) -> torch.device:
     """The torch device named by ``device_args``, with a clear error when CUDA is absent."""
     if cfg.device_args.device == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(
-                "device_args.device: 'cuda' was asked for but no CUDA device is visible; use 'cpu'"
-            )
+            raise ConfigError("device_args.device: 'cuda' was asked for but no CUDA device is visible; use 'cpu'")
         return torch.device("cuda", cfg.device_args.gpu_id)
     return torch.device("cpu")
 
@@ -84,7 +88,7 @@ def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
     """The server/client split for ``cfg`` (a pure function of the data config and seed)."""
     d, t = cfg.data_args, cfg.train_args
     try:
-        return build_split(
+        split = build_split(
             dataset.train_labels,
             dataset.num_classes,
             num_clients=t.client_num_in_total,
@@ -97,9 +101,29 @@ def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
             alpha=d.partition_alpha,
             classes_per_client=d.classes_per_client,
             labels_per_class_client=d.labels_per_class_client,
+            client_label_ratio=d.client_label_ratio,
+            imbalance_strength=d.imbalance_strength,
+            num_stages=d.num_stages,
+            rounds_per_stage=d.rounds_per_stage,
+            rich_client_fraction=d.rich_client_fraction,
+            rich_label_ratio=d.rich_label_ratio,
+            poor_label_ratio=d.poor_label_ratio,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if split.streaming:
+        last = (split.num_stages - 1) * split.rounds_per_stage
+        if last >= t.comm_round:
+            log.warning(
+                "streaming partition: the last of the %d stages is released at round %d, but the run has only "
+                "train_args.comm_round=%d rounds (rounds 0..%d); raise comm_round or lower data_args.num_stages / "
+                "rounds_per_stage to see all the unlabeled data",
+                split.num_stages,
+                last,
+                t.comm_round,
+                t.comm_round - 1,
+            )
+    return split
 
 
 def model_factory(cfg: ExperimentConfig, dataset: ImageDataset):

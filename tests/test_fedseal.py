@@ -133,6 +133,9 @@ def test_config_needs_a_validation_set() -> None:
     ok = validate({**base, "data_args": {"dataset": "digits", "num_server_val": 50}})
     assert ok.ssfl_args.theta == 0.05 and ok.ssfl_args.lr_decay == 0.995
     fixed = validate({**base, "ssfl_args": {"algorithm": "fedseal", "fixed_threshold": 0.9}})
+    streaming = {"dataset": "digits", "num_server_val": 50, "partition_method": "streaming_noniid"}
+    with pytest.raises(ConfigError, match=r"data_args\.partition_method.*stages"):
+        validate({**base, "data_args": streaming})
     assert fixed.ssfl_args.fixed_threshold == 0.9
     for bad, key in [
         ({"theta": 2.0}, "theta"),

@@ -24,6 +24,10 @@ CASES: dict[str, tuple[int, int, int, int, float]] = {
     "resnet18": (3, 16, 10, 3, 0.003),
     "cnn28": (1, 28, 10, 15, 0.05),
     "emnist_cnn": (1, 28, 62, 15, 0.01),
+    # FedMatch / FedSiam models on small inputs (both accept any side >= 8): cheap on CPU
+    "resnet9": (3, 8, 10, 3, 0.002),
+    "fedsiam_cifar_cnn": (3, 8, 10, 20, 0.03),
+    "fedsiam_mnist_cnn": (1, 28, 10, 15, 0.05),
 }
 GENERIC_CASE = (10, 1, 0.01)
 """(num_classes, sgd_steps, lr) for models registered elsewhere (e.g. the WRNs), which run at
@@ -171,8 +175,8 @@ def test_count_parameters_trainable_only() -> None:
 
 
 def test_unknown_model_suggests_closest() -> None:
-    with pytest.raises(ValueError, match="resnet19") as info:
-        build_model("resnet19", num_classes=10, in_channels=3, image_size=32)
+    with pytest.raises(ValueError, match="resnet17") as info:
+        build_model("resnet17", num_classes=10, in_channels=3, image_size=32)
     msg = str(info.value)
     assert "Did you mean 'resnet18'?" in msg
     for name in available_models():
@@ -258,3 +262,75 @@ def test_make_norm() -> None:
         make_norm("gn", 48)
     with pytest.raises(ValueError, match="unknown norm"):
         make_norm("layer", 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# FedMatch's ResNet-9 and FedSiam's Table 1 models: exact parameter counts
+
+
+@pytest.mark.parametrize(
+    ("norm", "channels", "expected"), [("none", 3, 6_570_890), ("gn", 3, 6_573_130), ("none", 1, 6_569_738)]
+)
+def test_resnet9_parameter_count(norm: str, channels: int, expected: int) -> None:
+    model = build_model("resnet9", num_classes=10, in_channels=channels, image_size=32, norm=norm)
+    assert count_parameters(model) == expected  # 576 C + 6,561,792 + (2,240 | 4,480) + 513 K
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    gns = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert len(gns) == (8 if norm == "gn" else 0) and all(m.num_groups == 32 for m in gns)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert [m.out_channels for m in convs] == [64, 128, 128, 128, 256, 512, 512, 512]
+    assert all((m.bias is not None) == (norm == "none") for m in convs)
+
+
+def test_resnet9_table3_shapes_and_variance_scaling_init() -> None:
+    torch.manual_seed(0)
+    model = build_model("resnet9", num_classes=10, in_channels=3, image_size=32, norm="none").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert model.layer1(model.prep(x)).shape == (2, 128, 16, 16)
+        assert model.res3(model.layer3(model.layer2(model.res1(model.layer1(model.prep(x)))))).shape == (2, 512, 4, 4)
+        assert model(x).shape == (2, 10) and model(torch.randn(2, 3, 8, 8)).shape == (2, 10)
+    w = model.layer3[0][0].weight  # fan-in 256 * 9
+    std = (1.0 / (256 * 9)) ** 0.5
+    assert abs(w.std().item() / std - 1.0) < 0.03  # TF VarianceScaling keeps the variance 1 / fan_in
+    assert w.abs().max().item() <= 2 * std / 0.87962566103423978 + 1e-6  # truncated at two (uncorrected) std
+    assert all((m.bias == 0).all() for m in model.modules() if isinstance(m, nn.Conv2d))
+    with pytest.raises(ValueError, match="any >= 8"):
+        build_model("resnet9", num_classes=10, in_channels=3, image_size=4, norm="none")
+    with pytest.raises(ValueError, match="model_args.norm='bn'"):
+        build_model("resnet9", num_classes=10, in_channels=3, image_size=32, norm="bn")
+
+
+def test_fedsiam_mnist_cnn_has_21840_parameters() -> None:
+    model = build_model("fedsiam_mnist_cnn", num_classes=10, in_channels=1, image_size=28, norm="none")
+    assert count_parameters(model) == 21_840  # Long et al. Table 1
+    assert [tuple(m.weight.shape) for m in (model.conv1, model.conv2, model.dense, model.fc)] == [
+        (10, 1, 5, 5),
+        (20, 10, 5, 5),
+        (50, 320),
+        (10, 50),
+    ]
+    with pytest.raises(ValueError, match="supports image sizes: 28"):
+        build_model("fedsiam_mnist_cnn", num_classes=10, in_channels=1, image_size=32, norm="none")
+
+
+@pytest.mark.parametrize(("norm", "expected"), [("bn", 5_852_170), ("gn", 5_852_170), ("none", 5_851_338)])
+def test_fedsiam_cifar_cnn_parameter_count(norm: str, expected: int) -> None:
+    model = build_model("fedsiam_cifar_cnn", num_classes=10, in_channels=3, image_size=32, norm=norm).eval()
+    assert count_parameters(model) == expected  # bn: Long et al. Table 1's 5,852,170
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert [m.out_channels for m in convs] == [32, 64, 128, 128, 256, 256] and all(m.bias is not None for m in convs)
+    linears = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears == [(4096, 1024), (1024, 512), (512, 10)]
+    kind = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "none": nn.Identity}[norm]
+    assert all(isinstance(getattr(model, f"norm{i}"), kind) for i in (1, 3, 5))
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_fedsiam_cifar_cnn_other_sizes() -> None:
+    small = build_model("fedsiam_cifar_cnn", num_classes=10, in_channels=3, image_size=8, norm="bn")
+    assert small.dense1.in_features == 256 and count_parameters(small) == 1_920_010
+    svhn_gray = build_model("fedsiam_cifar_cnn", num_classes=10, in_channels=1, image_size=28, norm="bn").eval()
+    with torch.no_grad():
+        assert svhn_gray(torch.randn(2, 1, 28, 28)).shape == (2, 10)

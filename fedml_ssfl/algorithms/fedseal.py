@@ -216,6 +216,12 @@ class FedSEALConfig(AlgorithmConfig):
 
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
+        if cfg.data_args.partition_method == "streaming_noniid":
+            raise ConfigError(
+                "data_args.partition_method: fedseal keeps a self-ensemble per client sample (Eq. 8) over a fixed "
+                "local set and does not support data arriving in stages; use batch_noniid, or fedmatch for the "
+                "streaming task"
+            )
         if not 0.0 <= self.theta <= 1.0:
             raise ConfigError(f"ssfl_args.theta: {self.theta} must lie in [0, 1]")
         if not 0.0 < self.lr_decay <= 1.0:

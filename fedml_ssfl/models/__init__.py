@@ -1,7 +1,8 @@
 """Model layer: a registry of image classifiers built by name.
 
 Importing this package registers every model (``resnet18``; ``cnn28`` and ``emnist_cnn``;
-``wrn28_2`` and ``wrn28_8``).
+``wrn28_2`` and ``wrn28_8``; FedMatch's ``resnet9``; FedSiam's ``fedsiam_mnist_cnn`` and
+``fedsiam_cifar_cnn``).
 
 >>> from fedml_ssfl.models import available_models, build_model
 >>> {"cnn28", "emnist_cnn", "resnet18"} <= set(available_models())
@@ -14,7 +15,7 @@ and has its classifier layer at ``model.fc`` (see :func:`classifier_prefix`).
 
 from __future__ import annotations
 
-from . import cnn, resnet, wrn  # noqa: F401  (imported for their @register_model side effects)
+from . import cnn, fedsiam_cnn, resnet, resnet9, wrn  # noqa: F401  (imported for their @register_model side effects)
 from .norm import NORM_KINDS, make_norm
 from .registry import (
     ModelSpec,

@@ -381,7 +381,7 @@ class ClientWorker:
                 )
             ctx = ClientContext(round_idx=r, device=self.exp.device, seed=self.exp.config.common_args.random_seed)
             t0 = time.perf_counter()
-            reply = self.exp.algorithm.client_update(payload["msg"], self.exp.client_data(k), state, ctx)
+            reply = self.exp.algorithm.client_update(payload["msg"], self.exp.client_data(k, r), state, ctx)
             seconds = time.perf_counter() - t0
             self.cache[k] = (r, state)
             missing = [j for j in payload["upload"] if j not in self.cache]

@@ -128,7 +128,7 @@ def run_round(exp: Experiment, r: int, client_states: dict[int, dict]) -> dict[s
     up = 0
     replies: dict[int, Message] = {}
     for k in start.chosen:
-        reply = algo.client_update(start.messages[k], exp.client_data(k), client_states[k], ctx)
+        reply = algo.client_update(start.messages[k], exp.client_data(k, r), client_states[k], ctx)
         up += message_nbytes(reply)
         replies[k] = reply
     return finish_round(exp, start, replies, up)
