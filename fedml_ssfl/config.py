@@ -435,6 +435,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(
             f"data_args.label_scenario: algorithm '{algorithm}' supports "
             f"{' | '.join(algo_cls.label_scenarios)}, not '{cfg.data_args.label_scenario}'"
+            + (f" ({algo_cls.label_scenario_note})" if getattr(algo_cls, "label_scenario_note", "") else "")
         )
     for name in cfg.common_args.compare_with:
         registry.get_algorithm(name)

@@ -161,6 +161,7 @@ def train_settings(cfg: ExperimentConfig) -> TrainSettings:
         lr_cosine_c=t.lr_cosine_c,
         lr_warmup_rounds=t.lr_warmup_rounds,
         lr_floor=t.lr_floor,
+        num_clients=t.client_num_in_total,
     )
 
 
@@ -185,11 +186,16 @@ def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None)
         labeled_idx=split.server_labeled,
         val_idx=split.server_val,
         num_classes=dataset.num_classes,
+        label_scenario=cfg.data_args.label_scenario,
     )
     factory = model_factory(cfg, dataset)
 
     def model_fn() -> nn.Module:
-        return factory()
+        # Initialisation draws from torch's global stream; forking it keeps every model build (the
+        # initial model, scratch models built lazily in whichever round first needs them) from
+        # shifting the dropout masks that later draws in the same stream would see.
+        with torch.random.fork_rng(devices=[]):
+            return factory()
 
     seeding.seed_everything(cfg.common_args.random_seed)
     algo = registry.create(

@@ -10,8 +10,10 @@ place it is used, never from a global stream. Two consequences the runtimes rely
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -56,3 +58,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def global_stream(seed: int, *parts: int | str, device: torch.device | None = None) -> Iterator[None]:
+    """Run a block with torch's global stream seeded from (seed, parts), restoring it after.
+
+    Dropout (and anything else inside a model) draws from the global stream only. The runtimes
+    wrap every server step, client update, aggregation and final step in this, so that even a
+    dropout model's update is a pure function of (run seed, round, party): identical in both
+    runtimes and after ``--resume``.
+    """
+    devices = []
+    if device is not None and device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(derive_seed(seed, "global-stream", *parts))
+        yield

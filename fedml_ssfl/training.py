@@ -1,15 +1,20 @@
-"""Training pieces every algorithm shares: batches, inputs, optimiser, the Eq. 9 schedule."""
+"""Training pieces every algorithm shares: batches, inputs, optimiser, the Eq. 9 schedule.
+
+Also FedProx's proximal term and the FixMatch / UDA local step loop of the naive FL+SSL
+baselines (:func:`proximal_term`, :func:`semi_supervised_steps`).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from .algorithms.base import DataInfo, TrainSettings
 from .data.augment import normalize, strong_augment, to_float, weak_augment
+from .ssl.pseudo_label import PseudoLabels
 
 
 class BatchStream:
@@ -65,15 +70,11 @@ class InputPipeline:
 
     def weak(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """alpha(x): flip (where it suits the data) and pad-and-crop shift."""
-        return normalize(
-            weak_augment(self.raw(images), generator, flip=self.info.flip), self._mean, self._std
-        )
+        return normalize(weak_augment(self.raw(images), generator, flip=self.info.flip), self._mean, self._std)
 
     def strong(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """A(x): RandAugment (2 ops, magnitude up to 10), then cutout."""
-        return normalize(
-            strong_augment(self.raw(images), generator, flip=self.info.flip), self._mean, self._std
-        )
+        return normalize(strong_augment(self.raw(images), generator, flip=self.info.flip), self._mean, self._std)
 
 
 def make_optimizer(model: nn.Module, train: TrainSettings) -> torch.optim.SGD:
@@ -151,3 +152,153 @@ def supervised_steps(
         opt.step()
         total += float(loss.detach())
     return total / max(steps, 1)
+
+
+def proximal_term(model: nn.Module, global_weights: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's proximal term ``mu/2 * ||w - w^t||^2`` (Li et al. 2020, Eq. 2).
+
+    The sum runs over the model's trainable parameters (buffers such as BatchNorm statistics
+    are not trained and so not pulled). ``global_weights`` is the global model ``w^t`` the round
+    started from, a state dict keyed like ``model.named_parameters()``; move it to the model's
+    device once per round to avoid a copy per step. The FedMatch authors' code names a FedProx
+    baseline but lacks this term; here it is real (Jeong et al. Table 4: mu = 1e-2).
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar with gradient w.r.t. the parameters; exactly 0 when ``mu == 0``.
+
+    Raises
+    ------
+    KeyError
+        When ``global_weights`` lacks a trainable parameter's name.
+    """
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if mu == 0 or not params:
+        return torch.zeros((), device=params[0][1].device if params else None)
+    total = torch.zeros((), device=params[0][1].device)
+    for name, p in params:
+        if name not in global_weights:
+            raise KeyError(f"proximal_term: the global weights have no tensor '{name}'")
+        ref = global_weights[name].to(device=p.device, dtype=p.dtype)
+        total = total + (p - ref).pow(2).sum()
+    return 0.5 * mu * total
+
+
+def semi_supervised_steps(
+    model: nn.Module,
+    pipeline: InputPipeline,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    labeled_idx: torch.Tensor,
+    unlabeled_idx: torch.Tensor,
+    train: TrainSettings,
+    round_idx: int,
+    generator: torch.Generator,
+    party: str,
+    unlabeled_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, PseudoLabels]] | None = None,
+    lambda_u: float = 1.0,
+    unlabeled_ratio: int = 1,
+    labeled_loss: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    anchor: dict[str, torch.Tensor] | None = None,
+    mu: float = 0.0,
+) -> dict[str, float]:
+    """T local steps of ``l_s + lambda_u * l_u (+ FedProx term)``: FixMatch / UDA on one client.
+
+    Each step draws a labeled batch of ``batch_size`` (weak augmentation alpha, target: its
+    labels) and an unlabeled batch of ``unlabeled_ratio * batch_size`` shown twice, as alpha(u)
+    and A(u) (FixMatch's mu and its B). All views go through the model in one forward pass, as
+    in FixMatch's code, so normalisation layers see one batch. ``unlabeled_loss(logits_strong,
+    logits_weak)`` returns the unlabeled loss and its pseudo-labels; the weak logits are handed
+    over detached. A half with no samples (or, for the unlabeled half, no ``unlabeled_loss``) is
+    skipped. ``labeled_idx`` is the only place labels are read for training; ``labels`` at
+    ``unlabeled_idx`` only feed the ``pseudo_acc`` diagnostic.
+
+    Parameters
+    ----------
+    labeled_loss : callable, optional
+        ``(logits, labels, step) -> loss`` with ``step = round_idx * T + s`` the global local
+        iteration (for UDA's TSA); default plain cross-entropy.
+    anchor, mu : dict, float
+        FedProx: add :func:`proximal_term` towards ``anchor`` (the round's global weights) with
+        coefficient ``mu``; skipped when ``anchor`` is None or ``mu == 0``.
+
+    Returns
+    -------
+    dict[str, float]
+        Step means of ``loss``, ``loss_x``, ``loss_u``, ``mask_rate``, ``prox`` (those that
+        apply) and ``pseudo_acc`` (accuracy of the kept pseudo-labels, when any was kept).
+
+    Raises
+    ------
+    ValueError
+        When neither half has anything to train on.
+    """
+    from .algorithms.base import check_finite
+
+    use_x = labeled_idx.numel() > 0
+    use_u = unlabeled_idx.numel() > 0 and unlabeled_loss is not None
+    if not (use_x or use_u):
+        raise ValueError(f"semi_supervised_steps: {party} has no labeled and no usable unlabeled samples")
+    device = pipeline.device
+    model.train()
+    opt = make_optimizer(model, train)
+    stream_x = BatchStream(labeled_idx, train.batch_size, generator) if use_x else None
+    stream_u = BatchStream(unlabeled_idx, unlabeled_ratio * train.batch_size, generator) if use_u else None
+    prox_on = anchor is not None and mu != 0
+    if prox_on:
+        anchor = {k: v.to(device) for k, v in anchor.items()}
+    if labeled_loss is None:
+
+        def labeled_loss(logits: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+            return nn.functional.cross_entropy(logits, y)
+
+    sums: dict[str, float] = {}
+    correct = kept = 0
+    steps = train.local_steps
+    for s in range(steps):
+        step = round_idx * train.local_steps + s
+        set_lr(opt, cosine_lr(train, step))
+        views, y, batch_u = [], None, None
+        if stream_x is not None:
+            batch_x = next(stream_x)
+            views.append(pipeline.weak(images[batch_x], generator))
+            y = labels[batch_x].to(device)
+        if stream_u is not None:
+            batch_u = next(stream_u)
+            views.append(pipeline.weak(images[batch_u], generator))
+            views.append(pipeline.strong(images[batch_u], generator))
+        logits = model(torch.cat(views))
+        parts: dict[str, torch.Tensor] = {}
+        n_x = 0
+        if y is not None:
+            n_x = y.numel()
+            parts["loss_x"] = labeled_loss(logits[:n_x], y, step)
+        pl = None
+        if batch_u is not None:
+            logits_weak, logits_strong = logits[n_x:].chunk(2)
+            parts["loss_u"], pl = unlabeled_loss(logits_strong, logits_weak.detach())
+        loss = parts.get("loss_x", torch.zeros((), device=device)) + lambda_u * parts.get(
+            "loss_u", torch.zeros((), device=device)
+        )
+        if prox_on:
+            parts["prox"] = proximal_term(model, anchor, mu)
+            loss = loss + parts["prox"]
+        check_finite(loss, round_idx, party)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + float(v.detach())
+        if pl is not None:
+            sums["mask_rate"] = sums.get("mask_rate", 0.0) + pl.mask_rate
+            n_kept = int(pl.mask.sum())
+            if n_kept:
+                truth = labels[batch_u].to(pl.labels.device)
+                correct += int((pl.labels[pl.mask] == truth[pl.mask]).sum())
+                kept += n_kept
+    metrics = {k: v / steps for k, v in sums.items()}
+    if kept:
+        metrics["pseudo_acc"] = correct / kept
+    return metrics

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from fedml_ssfl import seeding
 from fedml_ssfl.algorithms.base import check_finite
 from fedml_ssfl.algorithms.fedavg_ssl import FedAvgSSL
 from fedml_ssfl.checkpoint import CheckpointError, load_checkpoint
@@ -77,6 +78,33 @@ def test_resume_ends_with_the_uninterrupted_model(small_config, tmp_path, averag
     assert resumed.final_acc == full.final_acc
     rows = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_global_stream_is_seeded_per_party_and_restores_the_outer_stream():
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    with seeding.global_stream(0, "client", 2, 5):
+        a = torch.rand(3)
+    assert torch.equal(torch.rand(3), expected)  # the outer stream is as it was
+    with seeding.global_stream(0, "client", 2, 5):
+        assert torch.equal(torch.rand(3), a)
+    with seeding.global_stream(0, "client", 2, 6):
+        assert not torch.equal(torch.rand(3), a)
+
+
+def test_resume_is_exact_for_a_dropout_model(small_config, tmp_path):
+    # fedsiam_cifar_cnn has dropout, which draws from torch's global stream: the runtime seeds it
+    # per (round, party), so a resumed run sees the same dropout masks as an uninterrupted one
+    cfg = small_config(
+        "ssfl_args.algorithm=fedavg_sl", "model_args.model=fedsiam_cifar_cnn", "train_args.comm_round=3"
+    )
+    full = run_local(cfg, run_dir=tmp_path / "full")
+    run_local(cfg, run_dir=tmp_path / "part", stop_after=1)
+    resumed = run_local(cfg, run_dir=tmp_path / "part", resume=True)
+    a, b = global_state(full.run_dir), global_state(resumed.run_dir)
+    for k in a["global_state"]:
+        assert torch.equal(a["global_state"][k], b["global_state"][k]), k
 
 
 def test_corrupt_checkpoint_is_refused_and_left_untouched(small_config, tmp_path):

@@ -120,13 +120,19 @@ class ClientData:
 
 @dataclass
 class ServerData:
-    """The server's labeled training set and validation set (indices into ``images``)."""
+    """The server's labeled training set and validation set (indices into ``images``).
+
+    ``label_scenario`` is the run's ``data_args.label_scenario``: in labels-at-client the server
+    may still hold a few labels (``num_server_labels``), and algorithms decide from the scenario
+    whether the server trains on them.
+    """
 
     images: torch.Tensor
     labels: torch.Tensor
     labeled_idx: torch.Tensor
     val_idx: torch.Tensor
     num_classes: int
+    label_scenario: str = "server"
 
 
 @dataclass
@@ -168,6 +174,7 @@ class TrainSettings:
     lr_cosine_c: float = 0.4375
     lr_warmup_rounds: int = 0
     lr_floor: float = 1e-4
+    num_clients: int = 1  # K (train_args.client_num_in_total)
 
 
 class NonFiniteLossError(RuntimeError):

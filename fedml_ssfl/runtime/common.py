@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import seeding
 from ..algorithms.base import Message, message_nbytes
 from ..checkpoint import save_checkpoint
 from ..config import ExperimentConfig, save_config
@@ -96,8 +97,9 @@ def start_round(exp: Experiment, r: int) -> RoundStart:
         cfg.train_args.client_num_in_total,
         cfg.train_args.client_num_per_round,
     )
-    algo.server_step(r)
-    messages = {k: algo.message_for(k, r) for k in chosen}
+    with seeding.global_stream(cfg.common_args.random_seed, "server", r, device=exp.device):
+        algo.server_step(r)
+        messages = {k: algo.message_for(k, r) for k in chosen}
     down = sum(message_nbytes(m) for m in messages.values())
     return RoundStart(round_idx=r, chosen=chosen, messages=messages, bytes_down=down, t0=t0)
 
@@ -110,7 +112,8 @@ def finish_round(
     ``extra`` entries (e.g. a runtime's transport counters) go into the row before ``seconds``.
     """
     algo, r = exp.algorithm, start.round_idx
-    metrics = algo.aggregate(replies, r)
+    with seeding.global_stream(exp.config.common_args.random_seed, "aggregate", r, device=exp.device):
+        metrics = algo.aggregate(replies, r)
     train = algo.train
     return {
         "round": r,
@@ -194,7 +197,8 @@ class RunRecorder:
         for k in self.totals:
             self.totals[k] += row.get(k, 0)
         if r == cfg.train_args.comm_round - 1:
-            algo.finalize()
+            with seeding.global_stream(cfg.common_args.random_seed, "finalize", device=self.exp.device):
+                algo.finalize()
         acc = None
         if is_eval_round(cfg, r, end):
             evals = [

@@ -82,6 +82,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from .. import seeding
 from ..algorithms.base import ClientContext, Message, message_nbytes
 from ..checkpoint import load_checkpoint
 from ..config import ConfigError, ExperimentConfig
@@ -381,7 +382,8 @@ class ClientWorker:
                 )
             ctx = ClientContext(round_idx=r, device=self.exp.device, seed=self.exp.config.common_args.random_seed)
             t0 = time.perf_counter()
-            reply = self.exp.algorithm.client_update(payload["msg"], self.exp.client_data(k, r), state, ctx)
+            with seeding.global_stream(ctx.seed, "client", r, k, device=self.exp.device):
+                reply = self.exp.algorithm.client_update(payload["msg"], self.exp.client_data(k, r), state, ctx)
             seconds = time.perf_counter() - t0
             self.cache[k] = (r, state)
             missing = [j for j in payload["upload"] if j not in self.cache]

@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .. import seeding
 from ..algorithms.base import ClientContext, Message, NonFiniteLossError, message_nbytes
 from ..checkpoint import load_checkpoint
 from ..config import ExperimentConfig
@@ -128,7 +129,8 @@ def run_round(exp: Experiment, r: int, client_states: dict[int, dict]) -> dict[s
     up = 0
     replies: dict[int, Message] = {}
     for k in start.chosen:
-        reply = algo.client_update(start.messages[k], exp.client_data(k, r), client_states[k], ctx)
+        with seeding.global_stream(ctx.seed, "client", r, k, device=exp.device):
+            reply = algo.client_update(start.messages[k], exp.client_data(k, r), client_states[k], ctx)
         up += message_nbytes(reply)
         replies[k] = reply
     return finish_round(exp, start, replies, up)

@@ -1,0 +1,684 @@
+"""FedMatch (Jeong et al., ICLR 2021): inter-client consistency and disjoint learning.
+
+Both label scenarios. Every trainable parameter is decomposed as ``theta = sigma + psi``; the
+model is built by ``model_fn()`` and run with ``torch.func.functional_call`` on the weights
+``sigma + psi`` (buffers, if any, are the module's own).
+
+* Disjoint learning (Sec. 3.2). ``sigma`` learns from labeled data with ``psi`` frozen,
+  Eq. 4: ``L_s(sigma) = lambda_s CE(y, p_{sigma + psi*}(y | alpha(x)))``. ``psi`` learns from
+  unlabeled data with ``sigma`` frozen, Eq. 5:
+  ``L_u(psi) = Phi_{sigma* + psi} + lambda_L2 ||sigma* - psi||_2^2 + lambda_L1 ||psi||_1``
+  (squared L2 norm and L1 norm summed over all parameters). Two SGD optimisers, one per set.
+* Unlabeled loss Phi (Eq. 2): ``lambda_a CE(y_hat, f(A(u)))`` on the strongly augmented input
+  with the agreement pseudo-label ``y_hat`` of Eq. 3 (majority vote of the one-hot argmaxes of
+  the local model and its H helpers on the unaugmented ``u``, kept where the local confidence
+  ``>= tau``; :func:`fedml_ssfl.ssl.agreement_pseudo_labels`), averaged over the whole batch
+  (masked-out samples count as zeros), plus ``lambda_i 1/H sum_j KL(p_h_j(u) || p_local(u))``,
+  the inter-client consistency of Eq. 1 (:func:`fedml_ssfl.ssl.kl_consistency`). Helper ``j``
+  is the frozen model ``sigma + psi_h_j`` with the ``sigma`` the client received (Algorithm 1,
+  line 14). A round without helpers drops the KL term and the vote is the local model's alone.
+  Eq. 5's lambda_ICCS is folded into lambda_a and lambda_i.
+* Helpers (Sec. 3.1; :mod:`fedml_ssfl.helper_selection`): after aggregating, the server keeps,
+  for every client that has sent an update, its reconstructed ``psi`` and the embedding of its
+  model ``sigma_k + psi_k``: the softmax output on one fixed random-noise input. Every
+  ``helper_interval`` rounds it builds a KD-tree (``scipy.spatial.cKDTree``) over those
+  embeddings and sends each *seen* client the ``psi`` of its H nearest other clients.
+* Labels-at-client (Algorithm 1): clients train ``sigma`` on their labels and ``psi`` on their
+  unlabeled data, one ``sigma`` step and one ``psi`` step per local step, and send
+  ``Delta sigma`` and ``Delta psi``; the server averages the reconstructed ``sigma_k`` and
+  ``psi_k`` uniformly (lines 10-11). Labels-at-server (Algorithm 2): each round the server first
+  trains ``sigma`` on its labels (``psi`` frozen, ``server_steps`` steps); clients train ``psi``
+  only and send no ``sigma`` at all, so a client can never change ``sigma``; the server
+  averages ``psi`` (line 15) and keeps its own ``sigma``.
+* Communication (Sec. 3.2, Appendix B.1; :mod:`fedml_ssfl.sparse`). Clients send
+  ``Delta = trained - received`` dropping ``|Delta| < c2s_threshold`` (5e-5 labels-at-client,
+  1e-5 labels-at-server), as torch sparse COO tensors. After local training ``psi`` is
+  hard-thresholded at ``psi_threshold`` (5e-6 / 1e-5). Server-to-client messages are sparse
+  deltas too: the server keeps, per client, the ``(sigma, psi)`` that client holds (what it
+  last received), sends ``global - held`` dropping ``|Delta| < s2c_threshold`` and updates its
+  record by exactly what was sent; the client keeps the same record in its persistent
+  ``state`` and adds the delta. Dropped entries are not lost: they stay in the next delta
+  (error feedback), so a client's copy never drifts more than the threshold from the global
+  model. Helpers travel as ``psi_h - psi_global`` (the paper's Delta psi^{1:H}), sparse, with the
+  same threshold. Every message carries ``sigma/<param>`` and ``psi/<param>`` (an empty sparse
+  tensor costs nothing), so replies name only keys the server sent.
+* Metrics (Table 1): ``s2c_cost`` and ``c2s_cost`` = mean bytes per client message this round
+  over the bytes of one dense model (``message_nbytes`` of its state dict; dense FedAvg = 1,
+  sparse tensors counted as values plus int64 indices, as the runtime counts them);
+  ``s2c_ratio`` and ``c2s_ratio`` = values sent per message over the trainable parameters (the
+  authors' measure, which ignores index bytes; sigma + psi make up to 2, helpers more);
+  ``psi_density`` (non-zero fraction of the global ``psi``), ``helpers_sent``, ``seen_clients``.
+  Clients report ``loss_s``, ``loss_u``, ``loss_agree``, ``loss_kl``, ``l2``, ``mask_rate``,
+  ``pseudo_acc`` (diagnostic), ``psi_density`` and ``helpers``.
+
+Hyper-parameters (Table 4 / ALGORITHMS.md): lambda_s = 10, lambda_a = lambda_i = 1e-2,
+lambda_L2 = 10, lambda_L1 = 1e-4 (labels-at-client) / 1e-5 (labels-at-server), tau = 0.75, H = 2,
+helpers every 10 rounds, uniform aggregation. The paper trains with SGD, learning rate 1e-3 and
+weight decay 1e-4 (``train_args.learning_rate: 0.001``, ``weight_decay: 0.0001``); note that
+lambda_s = 10 multiplies the supervised step, and lambda_L2 = 10 makes the ``psi`` pull
+``20 x lr`` per step, so ``train_args.learning_rate`` must stay well below 0.1.
+
+Choices and deviations (the paper is silent or vague):
+
+* ``psi`` starts at ``psi_init_factor`` (0.2) times the initial ``sigma`` (authors' code), so the
+  initial model is ``1.2 x`` the architecture's initialisation.
+* ``sigma``'s optimiser uses ``train_args.weight_decay``; ``psi``'s has none (Eq. 5 already
+  regularises it). Both use ``train_args.momentum`` and the ``train_args`` schedule (Eq. 9 of
+  Zhang et al. / constant), a fresh optimiser each round. Labeled batches use weak
+  augmentation alpha(x), of ``labeled_batch_size`` (default ``train_args.batch_size``).
+* The vote and the KL term use the local model in train mode on the unaugmented input (one
+  forward pass with ``A(u)``); helpers run in eval mode without gradient. With BatchNorm the
+  helpers therefore use running statistics; the paper's ResNet-9 has no BatchNorm.
+* Agreement ties (Eq. 3): the local model's class wins, then the largest summed probability,
+  then the lowest class index (see :mod:`fedml_ssfl.ssl.agreement`); the authors' code takes
+  the lowest index.
+* Both Phi terms are means over the whole unlabeled batch: the CE with masked-out samples
+  counting as zeros, the KL over every sample. The authors' code restricts both to the
+  confident samples and averages over those.
+* The authors' code uses one plain SGD optimiser (no momentum) for both parts; here each part
+  has its own, with ``train_args.momentum`` (set it to 0 for the authors' setting).
+* Helpers are used only in the round they arrive ("rounds without helpers drop the KL term")
+  and are sent in rounds ``r`` with ``r % helper_interval == 0`` (the authors' code:
+  ``(r + 1) % 10 == 0``; round 0 never has seen clients). A client gets
+  ``min(H, seen clients - 1)`` helpers. Embeddings use the client's model ``sigma_k + psi_k``
+  (labels-at-server: the ``sigma`` it held, i.e. the server's within the S2C threshold) on
+  ``probe_size`` (1) noise image(s): N(0.5, 0.5) pixels clipped to [0, 1], normalised like the
+  data, fixed by the seed (the authors use one truncated-normal image).
+* The aggregated ``psi`` is hard-thresholded again at ``psi_threshold`` (an average of values
+  above the threshold can fall below it).
+* A client without labeled data (labels-at-client) sends no ``sigma`` and one without unlabeled
+  data no ``psi``; each average runs over the clients that sent that part (none: unchanged).
+  In labels-at-client the server ignores any labels it holds (it "only aggregates").
+* Wire format: deltas are flattened to 1-D before sparsifying (one int64 index per non-zero);
+  where COO would not be smaller than dense (density above ~1/3) the exact dense delta is sent
+  instead (``dense_fallback``). Buffers (BatchNorm statistics, if any) travel dense under
+  their own names and are averaged like FedAvg. C2S has no error feedback: entries a client
+  drops are lost, as in the paper. The first message to a client is a delta from zeros. The
+  authors' code diffs S2C against the client's own last trained weights; here against what it
+  last received, so that server and client need nothing but the messages to agree.
+* ``s2c_deltas: false`` sends the full ``sigma`` and ``psi`` every round instead (losslessly,
+  zeros dropped), with no per-client records: the S2C delta records cost the server one dense
+  ``(sigma, psi)`` pair per client it has contacted, and each client the same in its state.
+* Observed: with lambda_L2 = 10, Eq. 5 pulls ``psi`` onto ``sigma``, so ``psi`` is dense
+  (``psi_density`` ~1, the hard threshold removes almost nothing) and ``theta`` tends to
+  ``2 sigma``; the savings come from small per-round changes (large models, small learning
+  rates, late rounds). On ``cnn28`` (24k parameters) with the paper's thresholds every delta is
+  dense in a short run: C2S = 2 dense models labels-at-client, 1 labels-at-server.
+* ``scenario``: left null, the config check fills it from ``data_args.label_scenario``.
+  ``lambda_l1``, ``c2s_threshold``, ``psi_threshold`` left null take the scenario's default;
+  ``s2c_threshold`` null follows ``c2s_threshold``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
+
+from .. import seeding
+from ..aggregation import weighted_average
+from ..config import ConfigError
+from ..data.augment import normalize
+from ..helper_selection import model_embedding, nearest_helpers, probe_input
+from ..sparse import densify, density, hard_threshold, num_values, sparsify
+from ..ssl import kl_consistency
+from ..ssl.agreement import agreement_pseudo_labels
+from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state, set_lr
+from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite, message_nbytes
+from .common import GlobalModelAlgorithm, client_party
+from .registry import register_algorithm
+
+SCENARIO_DEFAULTS: dict[str, dict[str, float]] = {
+    "client": {"lambda_l1": 1e-4, "c2s_threshold": 5e-5, "psi_threshold": 5e-6},
+    "server": {"lambda_l1": 1e-5, "c2s_threshold": 1e-5, "psi_threshold": 1e-5},
+}
+"""Per-scenario defaults of the keys left null (Table 4; ALGORITHMS.md section 2)."""
+
+SIGMA, PSI, HELPER = "sigma/", "psi/", "helper{}/"
+"""Message key prefixes: ``sigma/<param>``, ``psi/<param>``, ``helper<j>/<param>``."""
+
+
+@dataclass
+class FedMatchConfig(AlgorithmConfig):
+    """Hyper-parameters of FedMatch (Jeong et al. Eq. 1-5, Table 4, Appendix B.1).
+
+    Attributes
+    ----------
+    scenario : str or None
+        ``client`` (Algorithm 1) or ``server`` (Algorithm 2); null: ``data_args.label_scenario``.
+    lambda_s : float
+        Weight of the supervised loss, Eq. 4 (10).
+    lambda_a : float
+        Weight of the agreement pseudo-label cross-entropy in Phi, Eq. 2 (1e-2).
+    lambda_i : float
+        Weight of the inter-client KL term in Phi, Eq. 1/2 (1e-2).
+    lambda_l2 : float
+        Weight of ``||sigma - psi||_2^2``, Eq. 5 (10).
+    lambda_l1 : float or None
+        Weight of ``||psi||_1``, Eq. 5; null: 1e-4 labels-at-client, 1e-5 labels-at-server.
+    tau : float
+        Local confidence threshold of the agreement pseudo-label, Eq. 3 (0.75).
+    num_helpers : int
+        H, helpers per client (2); 0 disables the inter-client consistency.
+    helper_interval : int
+        Helpers are sent in rounds ``r % helper_interval == 0`` (10).
+    psi_init_factor : float
+        ``psi^0 = psi_init_factor * sigma^0`` (0.2, authors' code).
+    c2s_threshold : float or None
+        Client deltas drop ``|Delta| < c2s_threshold``; null: 5e-5 client / 1e-5 server.
+    s2c_threshold : float or None
+        Server deltas (and helpers) drop ``|Delta| < s2c_threshold``; null: ``c2s_threshold``.
+    psi_threshold : float or None
+        ``psi`` is hard-thresholded at this after training; null: 5e-6 client / 1e-5 server.
+    s2c_deltas : bool
+        Server-to-client deltas against per-client records (true) or full tensors (false).
+    dense_fallback : bool
+        Send a delta dense where that is smaller than sparse COO (true).
+    server_steps : int or None
+        Labels-at-server: the server's ``sigma`` steps per round; null: ``train_args.local_steps``.
+    labeled_batch_size : int or None
+        Labeled mini-batch size; null: ``train_args.batch_size``.
+    probe_size : int
+        Number of noise images the helper embedding is computed on (1).
+    """
+
+    scenario: str | None = None
+    lambda_s: float = 10.0
+    lambda_a: float = 1e-2
+    lambda_i: float = 1e-2
+    lambda_l2: float = 10.0
+    lambda_l1: float | None = None
+    tau: float = 0.75
+    num_helpers: int = 2
+    helper_interval: int = 10
+    psi_init_factor: float = 0.2
+    c2s_threshold: float | None = None
+    s2c_threshold: float | None = None
+    psi_threshold: float | None = None
+    s2c_deltas: bool = True
+    dense_fallback: bool = True
+    server_steps: int | None = None
+    labeled_batch_size: int | None = None
+    probe_size: int = 1
+
+    def check(self, cfg) -> None:
+        """Cross-checks against the experiment config; fills ``scenario`` (raises :class:`ConfigError`)."""
+        data_scenario = cfg.data_args.label_scenario
+        if self.scenario is None:
+            self.scenario = data_scenario
+        if self.scenario not in SCENARIO_DEFAULTS:
+            raise ConfigError(f"ssfl_args.scenario: {self.scenario!r} is not one of client, server (or null)")
+        if self.scenario != data_scenario:
+            raise ConfigError(
+                f"ssfl_args.scenario: {self.scenario!r} disagrees with data_args.label_scenario "
+                f"{data_scenario!r}; leave ssfl_args.scenario null"
+            )
+        for key in ("lambda_s", "lambda_a", "lambda_i", "lambda_l2", "psi_init_factor"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"ssfl_args.{key}: {value} must be a finite number >= 0")
+        for key in ("lambda_l1", "c2s_threshold", "s2c_threshold", "psi_threshold"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"ssfl_args.{key}: {value} must be a finite number >= 0 (or null for the default)")
+        if not 0.0 <= self.tau <= 1.0:
+            raise ConfigError(f"ssfl_args.tau: {self.tau} must lie in [0, 1]")
+        if self.num_helpers < 0:
+            raise ConfigError(f"ssfl_args.num_helpers: {self.num_helpers} must be >= 0 (0 disables helpers)")
+        if self.helper_interval < 1:
+            raise ConfigError(f"ssfl_args.helper_interval: {self.helper_interval} must be >= 1 (rounds)")
+        if self.server_steps is not None and self.server_steps < 0:
+            raise ConfigError(f"ssfl_args.server_steps: {self.server_steps} must be >= 0 (or null for T)")
+        if self.labeled_batch_size is not None and self.labeled_batch_size < 1:
+            raise ConfigError(
+                f"ssfl_args.labeled_batch_size: {self.labeled_batch_size} must be >= 1 (or null for batch_size)"
+            )
+        if self.probe_size < 1:
+            raise ConfigError(f"ssfl_args.probe_size: {self.probe_size} must be >= 1")
+        if self.scenario == "server" and cfg.data_args.num_server_labels <= 0:
+            raise ConfigError(
+                "data_args.num_server_labels: fedmatch labels-at-server trains sigma on the server's labels "
+                "(Algorithm 2); set it > 0"
+            )
+
+    def resolved(self, key: str, scenario: str) -> float:
+        """The value of ``key`` in ``scenario``: the configured one, or the scenario's default."""
+        value = getattr(self, key)
+        if value is not None:
+            return float(value)
+        if key == "s2c_threshold":
+            return self.resolved("c2s_threshold", scenario)
+        return SCENARIO_DEFAULTS[scenario][key]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+@dataclass
+class Layout:
+    """Names and shapes of a model's trainable parameters and its state-dict buffers."""
+
+    params: list[str]
+    buffers: list[str]
+    shapes: dict[str, torch.Size]
+    order: list[str]  # state-dict key order
+
+
+def model_layout(model: nn.Module) -> Layout:
+    """The :class:`Layout` of ``model``: trainable parameters (decomposed) and buffers (not)."""
+    state = model.state_dict()
+    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    buffers = [k for k in state if k not in set(params)]
+    return Layout(params, buffers, {k: v.shape for k, v in state.items()}, list(state))
+
+
+@register_algorithm
+class FedMatch(GlobalModelAlgorithm):
+    """FedMatch: ``theta = sigma + psi``, disjoint learning, agreement labels, helpers, sparse deltas."""
+
+    name = "fedmatch"
+    config_class = FedMatchConfig
+    label_scenarios = ("server", "client")
+    partial_replies = True  # replies carry sigma/psi deltas only for the parts a client trained
+
+    # ---- settings ------------------------------------------------------------------------
+    @property
+    def scenario(self) -> str:
+        """``client`` or ``server``; inferred from the server's labels when the config left it null."""
+        if self.config.scenario is not None:
+            return self.config.scenario
+        return "server" if self.server_data.labeled_idx.numel() > 0 else "client"
+
+    def setting(self, key: str) -> float:
+        return self.config.resolved(key, self.scenario)
+
+    def layout(self) -> Layout:
+        """The model's layout (a pure function of ``model_fn``, cached)."""
+        lay = getattr(self, "_layout", None)
+        if lay is None:
+            model = self._scratch.get("client") or self.model_fn()
+            self._scratch.setdefault("client", model)
+            lay = self._layout = model_layout(model)
+        return lay
+
+    # ---- models --------------------------------------------------------------------------
+    def module(self, slot: str, device: torch.device, buffers: dict[str, torch.Tensor]) -> nn.Module:
+        """A reusable module on ``device`` holding ``buffers`` (its parameters are never used)."""
+        model = self._scratch.get(slot)
+        if model is None:
+            model = self._scratch[slot] = self.model_fn()
+        model.to(device)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name in buffers:
+                    buf.copy_(buffers[name])
+        return model
+
+    def _refresh_global(self) -> None:
+        lay = self.layout()
+        theta = {n: self.sigma[n] + self.psi[n] for n in lay.params}
+        self.global_state = {k: theta[k] if k in theta else self.buffers[k] for k in lay.order}
+
+    # ---- server ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        seeding.seed_everything(self.seed)
+        model = self.model_fn()
+        lay = self._layout = model_layout(model)
+        state = cpu_state(model)
+        factor = self.config.psi_init_factor
+        self.sigma: dict[str, torch.Tensor] = {n: state[n] for n in lay.params}
+        self.psi: dict[str, torch.Tensor] = {n: factor * state[n] for n in lay.params}
+        self.buffers: dict[str, torch.Tensor] = {k: state[k] for k in lay.buffers}
+        self.views: dict[int, dict[str, torch.Tensor]] = {}  # what each client holds (S2C records)
+        self.client_psi: dict[int, dict[str, torch.Tensor]] = {}  # newest psi of each seen client
+        self.embeddings: dict[int, torch.Tensor] = {}  # newest embedding of each seen client
+        info = self.data_info
+        probe = probe_input(self.seed, (info.in_channels, info.image_size, info.image_size), self.config.probe_size)
+        self.probe = normalize(probe, info.mean, info.std)
+        self.dense_bytes = message_nbytes(Message(weights=state))
+        self._round: int | None = None
+        self._sent: dict[int, tuple[int, int, int]] = {}  # this round: client -> (bytes, values, helpers)
+        self._helper_plan: dict[int, list[int]] = {}
+        self._refresh_global()
+
+    def server_step(self, round_idx: int) -> None:
+        """Labels-at-server (Algorithm 2, lines 4-8): train sigma on the server's labels, psi frozen."""
+        steps = self.train.local_steps if self.config.server_steps is None else self.config.server_steps
+        labeled = self.server_data.labeled_idx
+        if self.scenario != "server" or steps == 0 or labeled.numel() == 0:
+            return
+        sigma, _, buffers, _ = self.disjoint_steps(
+            self.sigma,
+            self.psi,
+            self.buffers,
+            [],
+            self.server_data.images,
+            self.server_data.labels,
+            labeled,
+            labeled[:0],
+            steps,
+            round_idx,
+            seeding.generator(self.seed, "fedmatch-server", round_idx),
+            self.device,
+            "the server",
+            slot="server",
+        )
+        self.sigma = {n: t.cpu() for n, t in sigma.items()}
+        self.buffers = {k: t.cpu() for k, t in buffers.items()}
+        self._refresh_global()
+
+    def _start_round(self, round_idx: int) -> None:
+        """Per-round bookkeeping before the first message: byte counter and the helper plan."""
+        self._round = round_idx
+        self._sent = {}
+        H = self.config.num_helpers
+        if H > 0 and round_idx % self.config.helper_interval == 0:
+            self._helper_plan = nearest_helpers(self.embeddings, H)
+        else:
+            self._helper_plan = {}
+
+    def message_for(self, client_id: int, round_idx: int) -> Message:
+        if self._round != round_idx:
+            self._start_round(round_idx)
+        lay = self.layout()
+        thr = self.setting("s2c_threshold") if self.config.s2c_deltas else 0.0
+        fallback = self.config.dense_fallback
+        held = self.views.get(client_id) if self.config.s2c_deltas else None
+        weights: dict[str, torch.Tensor] = {}
+        record: dict[str, torch.Tensor] = {}
+        for prefix, source in ((SIGMA, self.sigma), (PSI, self.psi)):
+            for n in lay.params:
+                key = prefix + n
+                old = held[key] if held is not None else torch.zeros_like(source[n])
+                enc = sparsify(source[n] - old, thr, fallback)
+                weights[key] = enc
+                record[key] = old + densify(enc, lay.shapes[n])
+        if self.config.s2c_deltas:
+            self.views[client_id] = record
+        for k in lay.buffers:
+            weights[k] = self.buffers[k].clone()
+        helpers = self._helper_plan.get(client_id, [])
+        for j, h in enumerate(helpers):
+            psi_h = self.client_psi[h]
+            for n in lay.params:
+                delta = densify(psi_h[n], lay.shapes[n]) - record[PSI + n]
+                weights[HELPER.format(j) + n] = sparsify(delta, thr, fallback)
+        msg = Message(weights=weights, extras={"round": round_idx, "num_helpers": len(helpers)})
+        values = sum(num_values(t) for key, t in weights.items() if key not in lay.buffers)
+        self._sent[client_id] = (message_nbytes(msg), values, len(helpers))
+        return msg
+
+    def _reconstruct(self, base: dict[str, torch.Tensor], msg: Message | None, prefix: str) -> dict[str, torch.Tensor]:
+        """A client's ``sigma`` or ``psi``: what it held plus its delta (none: what it held)."""
+        lay = self.layout()
+        out = {}
+        for n in lay.params:
+            t = base[prefix + n]
+            enc = msg.weights.get(prefix + n) if msg is not None else None
+            out[n] = t + densify(enc, lay.shapes[n]) if enc is not None else t
+        return out
+
+    def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
+        lay = self.layout()
+        sigmas, psis, buffer_sets = [], [], []
+        current = {**{SIGMA + n: t for n, t in self.sigma.items()}, **{PSI + n: t for n, t in self.psi.items()}}
+        updated: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        for k in sorted(replies):
+            msg = replies[k]
+            if msg.is_empty:
+                continue
+            # what client k held: the S2C record (deltas), or the full tensors sent this round
+            base = self.views[k] if self.config.s2c_deltas else current
+            has_sigma = self.scenario == "client" and any(key.startswith(SIGMA) for key in msg.weights)
+            has_psi = any(key.startswith(PSI) for key in msg.weights)
+            sigma_k = self._reconstruct(base, msg if has_sigma else None, SIGMA)
+            psi_k = self._reconstruct(base, msg if has_psi else None, PSI)
+            bufs = {b: msg.weights[b] for b in lay.buffers if b in msg.weights}
+            if has_sigma:
+                sigmas.append(sigma_k)
+            if has_psi:
+                psis.append(psi_k)
+            if bufs and len(bufs) == len(lay.buffers):
+                buffer_sets.append(bufs)
+            updated[k] = (sigma_k, psi_k, bufs or self.buffers)
+        # Algorithm 1 lines 10-11 / Algorithm 2 line 15: uniform averages
+        if sigmas:
+            self.sigma = weighted_average(sigmas)
+        if psis:
+            self.psi = {n: hard_threshold(t, self.setting("psi_threshold")) for n, t in weighted_average(psis).items()}
+        if buffer_sets:
+            self.buffers = weighted_average(buffer_sets)
+        self._refresh_global()
+        for k, (sigma_k, psi_k, bufs) in updated.items():  # EmbedLocalModel (Algorithm 1 line 8)
+            self.client_psi[k] = {n: sparsify(psi_k[n], 0.0) for n in lay.params}
+            self.embeddings[k] = self.embed({n: sigma_k[n] + psi_k[n] for n in lay.params}, bufs)
+        n_params = sum(t.numel() for t in self.sigma.values())
+        up = [message_nbytes(m) for m in replies.values()]
+        up_values = [
+            sum(num_values(t) for key, t in m.weights.items() if key not in lay.buffers) for m in replies.values()
+        ]
+        sent = list(self._sent.values())
+        psi_all = torch.cat([t.reshape(-1) for t in self.psi.values()])
+        return {
+            "clients_sent": float(len(updated)),
+            # Table 1: mean bytes per client message / bytes of one dense model (FedAvg = 1)
+            "s2c_cost": _mean([b for b, _, _ in sent]) / self.dense_bytes,
+            "c2s_cost": _mean(up) / self.dense_bytes,
+            # the authors' measure: values sent (no index bytes) / trainable parameters
+            "s2c_ratio": _mean([v for _, v, _ in sent]) / n_params,
+            "c2s_ratio": _mean(up_values) / n_params,
+            "psi_density": density(psi_all),
+            "helpers_sent": float(sum(1 for _, _, h in sent if h)),
+            "seen_clients": float(len(self.embeddings)),
+        }
+
+    def embed(self, theta: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The helper embedding of the model ``theta``: softmax on the fixed noise probe (eval mode)."""
+        model = self.module("embed", self.device, buffers)
+        model.eval()
+        weights = {n: t.to(self.device) for n, t in theta.items()}
+        return model_embedding(lambda x: functional_call(model, weights, (x,)), self.probe.to(self.device))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_state": dict(self.global_state),
+            "sigma": dict(self.sigma),
+            "psi": dict(self.psi),
+            "buffers": dict(self.buffers),
+            "views": {k: dict(v) for k, v in self.views.items()},
+            "client_psi": {k: dict(v) for k, v in self.client_psi.items()},
+            "embeddings": dict(self.embeddings),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sigma = dict(state["sigma"])
+        self.psi = dict(state["psi"])
+        self.buffers = dict(state["buffers"])
+        self.views = {int(k): dict(v) for k, v in state["views"].items()}
+        self.client_psi = {int(k): dict(v) for k, v in state["client_psi"].items()}
+        self.embeddings = {int(k): v for k, v in state["embeddings"].items()}
+        self._round = None
+        self._refresh_global()
+
+    # ---- training (both sides) -----------------------------------------------------------------
+    def disjoint_steps(
+        self,
+        sigma: dict[str, torch.Tensor],
+        psi: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        helpers: list[dict[str, torch.Tensor]],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        labeled_idx: torch.Tensor,
+        unlabeled_idx: torch.Tensor,
+        steps: int,
+        round_idx: int,
+        gen: torch.Generator,
+        device: torch.device,
+        party: str,
+        slot: str = "client",
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+        """``steps`` rounds of disjoint learning: a sigma step on a labeled batch (Eq. 4, psi frozen)
+        and a psi step on an unlabeled batch (Eq. 5, sigma frozen), each where there is data.
+
+        ``helpers`` are the helpers' full ``psi`` (their models are ``sigma + psi_h`` with the
+        ``sigma`` given here, frozen). Returns the new ``sigma``, ``psi`` (on ``device``, not yet
+        thresholded), buffers and step-mean metrics.
+        """
+        cfg, train = self.config, self.train
+        model = self.module(slot, device, buffers)
+        pipeline = InputPipeline(self.data_info, device)
+        names = self.layout().params
+        sig = {n: sigma[n].to(device).clone().requires_grad_(True) for n in names}
+        ps = {n: psi[n].to(device).clone().requires_grad_(True) for n in names}
+        helper_w = [{n: sigma[n].to(device) + h[n].to(device) for n in names} for h in helpers]
+        opt_s = opt_p = None
+        if labeled_idx.numel():
+            opt_s = torch.optim.SGD(
+                list(sig.values()), lr=train.learning_rate, momentum=train.momentum, weight_decay=train.weight_decay
+            )
+            stream_s = BatchStream(labeled_idx, cfg.labeled_batch_size or train.batch_size, gen)
+        if unlabeled_idx.numel():
+            opt_p = torch.optim.SGD(list(ps.values()), lr=train.learning_rate, momentum=train.momentum)
+            stream_u = BatchStream(unlabeled_idx, train.batch_size, gen)
+        lam_l1 = self.setting("lambda_l1")
+        sums: dict[str, float] = {}
+        correct = kept = 0
+        for s in range(steps):
+            lr = cosine_lr(train, round_idx * train.local_steps + s)
+            if opt_s is not None:  # Eq. 4: sigma learns from labels, psi frozen
+                set_lr(opt_s, lr)
+                b = next(stream_s)
+                x = pipeline.weak(images[b], gen)
+                w = {n: sig[n] + ps[n].detach() for n in names}
+                model.train()
+                loss_s = cfg.lambda_s * F.cross_entropy(functional_call(model, w, (x,)), labels[b].to(device))
+                check_finite(loss_s, round_idx, party)
+                opt_s.zero_grad(set_to_none=True)
+                loss_s.backward()
+                opt_s.step()
+                sums["loss_s"] = sums.get("loss_s", 0.0) + float(loss_s.detach())
+            if opt_p is not None:  # Eq. 5: psi learns from unlabeled data, sigma frozen
+                set_lr(opt_p, lr)
+                b = next(stream_u)
+                raw = images[b]
+                n_b = b.numel()
+                x_plain = pipeline.plain(raw)
+                helper_probs = []
+                if helper_w:  # frozen helpers sigma + psi_h on the unaugmented input
+                    model.eval()
+                    with torch.no_grad():
+                        helper_probs = [
+                            functional_call(model, hw, (x_plain,)).float().softmax(dim=1) for hw in helper_w
+                        ]
+                x = torch.cat([x_plain, pipeline.strong(raw, gen)])
+                w = {n: sig[n].detach() + ps[n] for n in names}
+                model.train()
+                logits_plain, logits_strong = functional_call(model, w, (x,)).split(n_b)
+                pl = agreement_pseudo_labels(logits_plain.detach().float().softmax(dim=1), helper_probs, cfg.tau)
+                ce = F.cross_entropy(logits_strong, pl.labels, reduction="none")
+                loss_a = (ce * pl.mask.to(ce.dtype)).mean()
+                loss_i = torch.zeros((), device=device)
+                if helper_probs:
+                    loss_i = sum(kl_consistency(logits_plain, p) for p in helper_probs) / len(helper_probs)
+                l2 = sum(((sig[n].detach() - ps[n]) ** 2).sum() for n in names)
+                l1 = sum(ps[n].abs().sum() for n in names)
+                loss_u = cfg.lambda_a * loss_a + cfg.lambda_i * loss_i + cfg.lambda_l2 * l2 + lam_l1 * l1
+                check_finite(loss_u, round_idx, party)
+                opt_p.zero_grad(set_to_none=True)
+                loss_u.backward()
+                opt_p.step()
+                for key, v in (("loss_u", loss_u), ("loss_agree", loss_a), ("loss_kl", loss_i), ("l2", l2)):
+                    sums[key] = sums.get(key, 0.0) + float(v.detach())
+                sums["mask_rate"] = sums.get("mask_rate", 0.0) + pl.mask_rate
+                if bool(pl.mask.any()):
+                    truth = labels[b].to(pl.labels.device)  # diagnostics only
+                    correct += int((pl.labels[pl.mask] == truth[pl.mask]).sum())
+                    kept += int(pl.mask.sum())
+        metrics = {k: v / max(steps, 1) for k, v in sums.items()}
+        if kept:
+            metrics["pseudo_acc"] = correct / kept
+        new_buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k in buffers}
+        return (
+            {n: t.detach() for n, t in sig.items()},
+            {n: t.detach() for n, t in ps.items()},
+            new_buffers,
+            metrics,
+        )
+
+    # ---- client ----------------------------------------------------------------------------
+    def receive(self, msg: Message, state: dict) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """Apply a server message to the client's held copy; returns it and the helpers' psi.
+
+        With ``s2c_deltas`` the held copy lives in ``state["view"]`` (CPU tensors, keys
+        ``sigma/<p>`` and ``psi/<p>``; zeros before the first message); otherwise it starts from
+        zeros every round and nothing is stored.
+        """
+        lay = self.layout()
+        held = state.get("view") if self.config.s2c_deltas else None
+        view: dict[str, torch.Tensor] = {}
+        for prefix in (SIGMA, PSI):
+            for n in lay.params:
+                key = prefix + n
+                old = held[key] if held is not None else torch.zeros(lay.shapes[n])
+                enc = msg.weights.get(key)
+                view[key] = old + densify(enc, lay.shapes[n]) if enc is not None else old
+        if self.config.s2c_deltas:
+            state["view"] = view
+        helpers = []
+        for j in range(int(msg.extras.get("num_helpers", 0))):
+            prefix = HELPER.format(j)
+            helpers.append({n: view[PSI + n] + densify(msg.weights[prefix + n], lay.shapes[n]) for n in lay.params})
+        return view, helpers
+
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        lay = self.layout()
+        view, helpers = self.receive(msg, state)
+        train_sigma = self.scenario == "client" and data.num_labeled > 0
+        train_psi = data.num_unlabeled > 0
+        if not (train_sigma or train_psi):
+            return Message(extras={"metrics": {"helpers": float(len(helpers))}})
+        sigma = {n: view[SIGMA + n] for n in lay.params}
+        psi = {n: view[PSI + n] for n in lay.params}
+        buffers = {k: msg.weights[k] for k in lay.buffers if k in msg.weights}
+        new_sigma, new_psi, new_buffers, metrics = self.disjoint_steps(
+            sigma,
+            psi,
+            buffers,
+            helpers,
+            data.images,
+            data.labels,
+            data.labeled_idx if train_sigma else data.labeled_idx[:0],
+            data.unlabeled_idx,
+            self.train.local_steps,
+            ctx.round_idx,
+            ctx.generator(data.client_id),
+            ctx.device,
+            client_party(data.client_id),
+        )
+        c2s = self.setting("c2s_threshold")
+        fallback = self.config.dense_fallback
+        weights: dict[str, torch.Tensor] = {}
+        if train_sigma:
+            for n in lay.params:
+                weights[SIGMA + n] = sparsify(new_sigma[n].cpu() - sigma[n], c2s, fallback)
+        if train_psi:
+            psi_thr = self.setting("psi_threshold")
+            kept = total = 0
+            for n in lay.params:
+                p = hard_threshold(new_psi[n].cpu(), psi_thr)
+                kept += int((p != 0).sum())
+                total += p.numel()
+                weights[PSI + n] = sparsify(p - psi[n], c2s, fallback)
+            metrics["psi_density"] = kept / max(total, 1)
+        for k, v in new_buffers.items():
+            weights[k] = v.cpu()
+        metrics["helpers"] = float(len(helpers))
+        num = (data.num_labeled if train_sigma else 0) + (data.num_unlabeled if train_psi else 0)
+        return Message(weights=weights, num_samples=num, extras={"metrics": metrics})

@@ -1,0 +1,655 @@
+"""FedSiam (Long et al. 2021): a siamese online/target net per client and adaptive layer selection.
+
+Both label scenarios. Each client trains an *online* net and keeps a *target* net; the server
+keeps a global online net (the paper's ``G``, evaluated by default) and a global target net.
+
+Client update (Sec. 3.1, 3.2)
+    * Loss (Eq. 7, labels-at-client): ``L + beta^k J`` with ``L`` the cross-entropy of the online
+      net on the client's labeled data (Eq. 6) and ``J`` the consistency between
+      ``f(x + eta; theta_s)`` (online, with gradient) and ``f(x + eta'; theta_t)`` (target, no
+      gradient) over the labeled and unlabeled batch (``n' + m'`` samples, Eq. 4/5):
+      ``consistency: mse`` is Eq. 4 (:func:`~fedml_ssfl.ssl.consistency.softmax_mse`), ``kl`` is
+      Eq. 5 (:func:`~fedml_ssfl.ssl.consistency.kl_consistency`). Labels-at-server (Eq. 8): the
+      clients minimise ``beta^k J`` only; a client's own data decides (no labels: no ``L``).
+    * ``eta``, ``eta'``: two independent draws of the package's weak augmentation alpha() (the
+      paper: "weak data augmentation ... random reflect, flip, ... crop"; Eq. 4 writes additive
+      perturbations without fixing them).
+    * ``beta^k = beta_max * sigmoid_rampup(round, beta_rampup_rounds)`` (Table 4: phi_l = 10, the
+      authors' sigmoid ramp over 10 epochs, read here as rounds).
+    * Target = EMA of the online net after every SGD step (Eq. 9; Eq. 3 is the same):
+      ``theta_t <- alpha theta_t + (1 - alpha) theta_s`` with the Mean-Teacher ramp
+      ``alpha_t = min(1 - 1/(t + 1), alpha_max)``, ``alpha_max = 0.999`` (Table 4, Table 7) and
+      ``t`` the step just taken, counted from 1 (:func:`ema_alpha`). Eq. 9 is applied to every
+      floating state tensor (parameters and BatchNorm running statistics); integer buffers are
+      copied from the online net. The target runs in train mode without gradient (dropout /
+      batch statistics act as part of the perturbation, as in Mean Teacher).
+    * FSM (Eq. 10) after local training, per layer ``j``:
+      ``FSM[j] = ||theta_t[j] - theta_s[j]|| / ||theta_s[j]||`` (Euclidean norm over all floating
+      tensors of the layer; :func:`fsm`). A *layer* is one module of the model: the state keys
+      sharing a prefix (``conv1.weight`` and ``conv1.bias`` form ``conv1``;
+      :func:`layer_groups`), i.e. the paper's V layers.
+
+Upload rule (Sec. 3.3, 3.3.2; derived, see "Deviations")
+    A client always uploads its whole target net (under the model's own keys) and, in addition,
+    the online layers whose divergence reaches the boundary: online layer ``j`` is uploaded
+    (under ``online/<key>``) iff ``tau > 0`` and ``FSM[j] >= b`` with
+    ``b = Quantile(Lambda, 1 - tau)`` (``b = 0`` for ``tau >= 1``, i.e. every layer). The
+    paper's words: "we propose to remove the layers of the target [read: online] net during the
+    uploading process ... which are similar to those of the target net. When conducting parameter
+    aggregation, we can borrow the removed layers of online nets from the corresponding target
+    nets first and then use Eq. (2)"; "if the j-th value in FSM^k is smaller than the [boundary],
+    then the corresponding layer in the online model will be not uploaded"; Table 4 calls tau
+    the "communication rate of omega_s" (the online net); "the rank of communication cost is
+    FedSiam-Pi < FedSiam-D < FedSiam-MT" and "FedAvg+ and FedSiam-Pi have the lowest
+    communication cost" (one model). So tau is the fraction of online layers uploaded:
+    tau = 0 (Pi) uploads the target only (one model's bytes), tau = 1 (MT) the full siamese
+    network (two models' bytes), and FedSiam-D lies between, as ``bytes_up`` shows.
+
+Server (Sec. 2.2, 3.3.2)
+    * Aggregation (Eq. 2, weighted by the clients' sample counts ``n^(b)``, labeled +
+      unlabeled): the global target is the FedAvg of the uploaded targets; the global online
+      net is the FedAvg of the clients' online nets with every layer a client did not upload
+      borrowed from that client's target (Sec. 3.3). Both go out the next round (model keys:
+      target; ``online/<key>``: online). FedSiam-Pi, whose online and target nets coincide
+      (alpha = 0), sends the target only.
+    * Boundary (Sec. 3.3.2): FedSiam-D clients upload their FSM vector (V floats, counted as
+      traffic); the server keeps the window ``Lambda`` of the last ``window_rounds`` rounds'
+      FSM values (``phi_g`` rounds by default, as the paper keeps ``[FSM_{R_g - phi_g + 1}, ...,
+      FSM_{R_g}]``), and broadcasts ``tau`` and the boundary computed from the rounds before.
+    * tau schedule (Sec. 3.3.3) with ``R_g = round + 1`` and ``R_G = train_args.comm_round``:
+      linear (Eq. 11): 0 for ``R_g <= phi_g``, then ``-2 (1 - mu) R_G / (R_G - phi_g)^2 (R_g -
+      R_G)``; rectangle (Eq. 12): ``(1 - mu) R_G / (varphi_g - phi_g)`` for ``phi_g < R_g <
+      varphi_g``, else 0. Both average ``1 - mu`` over the run; values are clipped to [0, 1]
+      (Eq. 11 starts above 1, e.g. 50/47 for R_G = 50, phi_g = 3, mu = 0.5). Defaults (Table 4):
+      phi_g = 3 (linear) / 10 (rectangle), varphi_g = 40, mu = 0.5.
+    * Labels-at-server (Sec. 2.2, Eq. 8 first line): after aggregation the server minimises
+      ``L`` on its labels: ``train_args.local_steps`` weak-augmentation SGD steps on the global
+      online net (:meth:`~fedml_ssfl.algorithms.common.GlobalModelAlgorithm.train_on_server_labels`,
+      run at the start of the next round and once more after the last round,
+      :meth:`FedSiam.finalize`). The global target is left as aggregated (the clients' EMA
+      carries the server's update into their targets), except where alpha = 0 (Pi, and
+      FedSiam-D's first phase), where the target *is* the online net and takes its value.
+
+Variants (``variant``; Sec. 4.1 and the Remark of Sec. 3.3.3)
+    ========  ======================  ==========================================
+    variant   tau                     alpha
+    ========  ======================  ==========================================
+    ``pi``    0                       0 (target = online after every step)
+    ``mt``    1                       the ramp ``min(1 - 1/(t + 1), alpha_max)``
+    ``d``     Eq. 11 / Eq. 12         0 while ``R_g <= phi_g``, then the ramp
+    ========  ======================  ==========================================
+
+Client state (``state``, CPU/python only)
+    ``steps``: the client's optimisation steps over all rounds it took part in (the ``t`` of the
+    alpha ramp); with ``target_sync: false`` also ``target``: its own target net.
+
+Deviations and choices where the paper is vague:
+
+* tau is the upper-tail fraction: the boundary is the (1 - tau)-quantile of Lambda, not the
+  tau-quantile the text of Sec. 3.3.2 names, because only this reading makes tau = 0 send no
+  online layer and tau = 1 send all (Table 4: tau is the online net's communication rate;
+  Eq. 11/12 average 1 - mu = the kept rate; the Remark: tau = 0 is the Pi-model). tau >= 1
+  uploads every online layer even where its FSM is below the window's minimum, and an empty
+  window (no FSM yet) gives boundary 0 (upload all). Quantiles interpolate linearly
+  (:func:`torch.quantile`). Comparisons are ``FSM >= boundary`` (upload).
+* The window holds every FSM value of the last rounds, including FedSiam-D's Pi phase, where
+  alpha = 0 makes every FSM exactly 0 (the paper collects every round); until those rounds
+  leave the window the boundary is therefore 0 and all online layers go up (with the paper's
+  R_G = 50, phi_g = 3 tau is at or near 1 in those rounds anyway).
+* ``t`` counts each client's own steps across rounds (persisted in its state), so a client's
+  first steps ramp alpha from 0.5; the ramp caps at ``alpha_max`` after ``1/(1 - alpha_max) - 1``
+  steps (999 for 0.999).
+* The target net is synchronised: a client starts each round's target from the global target
+  (the paper: "it is necessary to synchronize the parameters of target and online nets across
+  the different clients", and MT's target upload would otherwise be unused).
+  ``target_sync: false`` keeps each client's target in its state instead (initialised from
+  the global target on its first round; the global target is then only the source of borrowed
+  layers). That stores one model per client in checkpoints.
+* Epochs are steps: ``train_args.local_steps`` per round, or ``local_epochs`` passes over the
+  client's unlabeled data (labeled data when it has none) when set (the paper: R_L = 5,
+  batch 10). Each step draws one labeled and one unlabeled batch of ``train_args.batch_size``.
+  The learning rate follows ``train_args.lr_schedule`` across the round's steps (the paper:
+  constant 0.01, momentum 0.9, weight decay 1e-4; set ``lr_schedule: constant``).
+* ``beta_max`` (the consistency weight after the ramp) is not given in the paper: 1.
+* Evaluation uses the global online net (the paper's G); ``eval_net: target`` evaluates the
+  global target instead. In labels-at-server the accuracy logged after round t is that of the
+  model broadcast in round t (the server trains at the round's start); the final evaluation
+  includes the last round's clients and one more server update.
+* With server labels in labels-at-client (``data_args.num_server_labels > 0``) the server also
+  trains on them each round; the paper's labels-at-client has no server data (set it to 0).
+* The paper evaluates FedSiam-D only in labels-at-client (Sec. 4.3); it is offered in both.
+* Dropout (the paper's CIFAR/SVHN CNN has some) draws from torch's global stream, which the
+  runtimes seed per (run seed, round, party) around every server step and client update
+  (:func:`fedml_ssfl.seeding.global_stream`), so that dropout models resume exactly too.
+* A client with no data at all sends an empty message; one without labels trains on ``J``
+  only; one without unlabeled data on ``L + beta J`` over its labeled batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..aggregation import weighted_average
+from ..config import ConfigError
+from ..ssl.consistency import kl_consistency, sigmoid_rampup, softmax_mse
+from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state, make_optimizer, set_lr
+from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
+from .common import GlobalModelAlgorithm, client_party
+from .registry import register_algorithm
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("pi", "mt", "d")
+CONSISTENCY_LOSSES = ("mse", "kl")
+TAU_SCHEDULES = ("linear", "rectangle")
+EVAL_NETS = ("online", "target")
+DEFAULT_PHI_G = {"linear": 3, "rectangle": 10}
+"""Table 4: the first tipping point phi_g of each quantile curve."""
+
+ONLINE_PREFIX = "online/"
+"""Message keys of online-net tensors; the model's own keys carry the target net."""
+
+FSM_EPS = 1e-12
+"""Floor of the FSM denominator (a layer whose online weights are all zero)."""
+
+
+# ---- Eq. 9: the EMA target ------------------------------------------------------------------------
+def ema_alpha(t: int, alpha_max: float) -> float:
+    """The Mean-Teacher ramp of Eq. 9's alpha: ``min(1 - 1/(t + 1), alpha_max)``.
+
+    ``t`` is the number of the step just taken (1 for the first: alpha 0.5); ``t = 0`` gives 0.
+    """
+    return min(1.0 - 1.0 / (t + 1), alpha_max)
+
+
+def ema_pairs(target: nn.Module, online: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(target tensor, online tensor) for every state entry, sharing the models' storage."""
+    t_state, o_state = target.state_dict(), online.state_dict()
+    return [(t_state[k], o_state[k]) for k in t_state]
+
+
+@torch.no_grad()
+def ema_update(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], alpha: float) -> None:
+    """Eq. 9 in place: ``theta_t <- alpha theta_t + (1 - alpha) theta_s`` for floating tensors.
+
+    Integer buffers (BatchNorm's ``num_batches_tracked``) are copied; ``alpha = 0`` copies all.
+    """
+    for t, s in pairs:
+        if alpha == 0.0 or not t.is_floating_point():
+            t.copy_(s)
+        else:
+            t.mul_(alpha).add_(s, alpha=1.0 - alpha)
+
+
+# ---- Eq. 10: layer-level divergence -----------------------------------------------------------------
+def layer_groups(keys: Iterable[str]) -> dict[str, list[str]]:
+    """The model's layers: state keys grouped by their module (the key without its last part).
+
+    ``["conv1.weight", "norm1.weight", "norm1.bias", "fc.weight"]`` ->
+    ``{"conv1": ["conv1.weight"], "norm1": ["norm1.weight", "norm1.bias"], "fc": ["fc.weight"]}``,
+    in the order the layers first appear.
+    """
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        groups.setdefault(k.rsplit(".", 1)[0] if "." in k else k, []).append(k)
+    return groups
+
+
+@torch.no_grad()
+def fsm(
+    target: Mapping[str, torch.Tensor], online: Mapping[str, torch.Tensor], groups: Mapping[str, list[str]]
+) -> torch.Tensor:
+    """Eq. 10 per layer: ``||theta_t[j] - theta_s[j]|| / ||theta_s[j]||`` (float64, CPU, shape (V,)).
+
+    The norms run over all floating tensors of the layer together; integer buffers are left
+    out. A layer with no floating tensor scores 0; a zero online layer divides by ``1e-12``.
+    """
+    out = torch.zeros(len(groups), dtype=torch.float64)
+    for j, keys in enumerate(groups.values()):
+        num = den = 0.0
+        for k in keys:
+            s = online[k]
+            if not s.is_floating_point():
+                continue
+            s = s.detach().to(torch.float64)
+            d = target[k].detach().to(torch.float64) - s
+            num += float((d * d).sum())
+            den += float((s * s).sum())
+        out[j] = math.sqrt(num) / max(math.sqrt(den), FSM_EPS) if num > 0 else 0.0
+    return out
+
+
+# ---- Eq. 11 / 12 and Sec. 3.3.2: tau and the boundary ---------------------------------------------
+def linear_tau(r_g: int, r_total: int, phi_g: int, mu: float) -> float:
+    """Eq. 11 (unclipped): 0 for ``R_g <= phi_g``, else ``-2 (1 - mu) R_G / (R_G - phi_g)^2 (R_g - R_G)``."""
+    if r_g <= phi_g:
+        return 0.0
+    return -2.0 * (1.0 - mu) * r_total / (r_total - phi_g) ** 2 * (r_g - r_total)
+
+
+def rectangle_tau(r_g: int, r_total: int, phi_g: int, varphi_g: int, mu: float) -> float:
+    """Eq. 12 (unclipped): ``(1 - mu) R_G / (varphi_g - phi_g)`` for ``phi_g < R_g < varphi_g``, else 0."""
+    if r_g <= phi_g or r_g >= varphi_g:
+        return 0.0
+    return (1.0 - mu) * r_total / (varphi_g - phi_g)
+
+
+def quantile_boundary(values: torch.Tensor, tau: float) -> float:
+    """The FSM boundary for an online upload rate ``tau`` (Sec. 3.3.2): ``Quantile(Lambda, 1 - tau)``.
+
+    A client uploads an online layer iff ``tau > 0`` and its FSM is ``>=`` the boundary, so a
+    fraction ``tau`` of the window's values lies at or above it. ``tau >= 1`` or an empty window
+    give 0 (every FSM passes); ``tau <= 0`` gives ``inf`` (none does).
+    """
+    if tau <= 0:
+        return math.inf
+    if tau >= 1 or values.numel() == 0:
+        return 0.0
+    return float(torch.quantile(values.to(torch.float64), 1.0 - tau))
+
+
+class FSMWindow:
+    """The server's window ``Lambda`` of the FSM values of the last ``rounds`` rounds (Sec. 3.3.2)."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = max(1, int(rounds))
+        self.per_round: list[torch.Tensor] = []
+
+    def push(self, values: torch.Tensor) -> None:
+        """Add one round's values (all clients' FSM vectors, any shape); drop the oldest round."""
+        self.per_round.append(values.detach().reshape(-1).to("cpu", torch.float64))
+        del self.per_round[: -self.rounds]
+
+    def values(self) -> torch.Tensor:
+        if not self.per_round:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat(self.per_round)
+
+    def boundary(self, tau: float) -> float:
+        return quantile_boundary(self.values(), tau)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "per_round": [v.clone() for v in self.per_round]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = state["rounds"]
+        self.per_round = [v.clone() for v in state["per_round"]]
+
+
+# ---- config ----------------------------------------------------------------------------------------
+@dataclass
+class FedSiamConfig(AlgorithmConfig):
+    """Hyper-parameters of FedSiam (Long et al. Sec. 3, Tables 2 and 4).
+
+    The paper's shared settings go in ``train_args``: K = 100 clients, B = 10 per round,
+    ``learning_rate: 0.01``, ``momentum: 0.9``, ``weight_decay: 1e-4``, batch 10,
+    ``lr_schedule: constant``; R_L = 5 local epochs is ``local_epochs: 5`` here; its labeled
+    fraction gamma = 0.1 is ``data_args.client_label_ratio: 0.1`` (labels-at-client) and
+    R_G = 50 rounds ``train_args.comm_round: 50``.
+
+    Attributes
+    ----------
+    variant : str
+        ``d`` (FedSiam-D, default: tau by the schedule, alpha 0 until ``phi_g``), ``mt``
+        (tau = 1, alpha ramped) or ``pi`` (tau = 0, alpha = 0).
+    consistency : str
+        ``mse`` (Eq. 4, default; the paper's choice for MNIST/SVHN) or ``kl`` (Eq. 5).
+    tau_schedule : str
+        FedSiam-D's quantile curve: ``linear`` (Eq. 11, default; MNIST/SVHN) or ``rectangle``
+        (Eq. 12; CIFAR-10).
+    phi_g : int or None
+        First tipping point in rounds; None: 3 for linear, 10 for rectangle (Table 4).
+    varphi_g : int
+        Second tipping point of the rectangle curve (Table 4: 40).
+    mu : float
+        Target reduction of the online net's communication (Table 4: 0.5); tau averages 1 - mu.
+    window_rounds : int or None
+        Rounds of FSM values the server keeps (Sec. 3.3.2); None: ``phi_g`` (at least 1).
+    alpha_max : float
+        Cap of the EMA decay ramp (Table 4: 0.999).
+    beta_max : float
+        Consistency weight after the ramp-up (not given in the paper: 1).
+    beta_rampup_rounds : int
+        Length of the sigmoid ramp-up of beta^k in rounds (Table 4: phi_l = 10); 0: no ramp.
+    consistency_on_labeled : bool
+        Apply J to the labeled batch as well (Eq. 4/5 sum over n' + m'; default true).
+    target_sync : bool
+        Clients start from the global target each round (default); false keeps each client's
+        own target net in its state.
+    local_epochs : int or None
+        Passes over the client's unlabeled data per round; None: ``train_args.local_steps``.
+    eval_net : str
+        Which global net is evaluated and exported: ``online`` (the paper's G) or ``target``.
+    """
+
+    variant: str = "d"
+    consistency: str = "mse"
+    tau_schedule: str = "linear"
+    phi_g: int | None = None
+    varphi_g: int = 40
+    mu: float = 0.5
+    window_rounds: int | None = None
+    alpha_max: float = 0.999
+    beta_max: float = 1.0
+    beta_rampup_rounds: int = 10
+    consistency_on_labeled: bool = True
+    target_sync: bool = True
+    local_epochs: int | None = None
+    eval_net: str = "online"
+
+    def check(self, cfg) -> None:
+        """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
+        for key, allowed in (
+            ("variant", VARIANTS),
+            ("consistency", CONSISTENCY_LOSSES),
+            ("tau_schedule", TAU_SCHEDULES),
+            ("eval_net", EVAL_NETS),
+        ):
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ConfigError(f"ssfl_args.{key}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
+        for key in ("mu", "alpha_max"):
+            value = getattr(self, key)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"ssfl_args.{key}: {value} must lie in [0, 1]")
+        if self.beta_max < 0:
+            raise ConfigError(f"ssfl_args.beta_max: {self.beta_max} must be >= 0")
+        for key in ("beta_rampup_rounds", "varphi_g"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be >= 0")
+        if self.phi_g is not None and self.phi_g < 0:
+            raise ConfigError(f"ssfl_args.phi_g: {self.phi_g} must be >= 0 (or null for the default)")
+        for key in ("window_rounds", "local_epochs"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"ssfl_args.{key}: {value} must be >= 1 (or null for the default)")
+        if self.tau_schedule == "rectangle" and self.varphi_g <= self.first_tipping_point:
+            raise ConfigError(
+                f"ssfl_args.varphi_g: {self.varphi_g} must be larger than ssfl_args.phi_g "
+                f"({self.first_tipping_point}) for the rectangle curve (Eq. 12)"
+            )
+        d = cfg.data_args
+        if d.label_scenario == "server" and d.num_server_labels <= 0:
+            raise ConfigError(
+                "data_args.num_server_labels: fedsiam in labels-at-server trains the global model on the "
+                "server's labels (Eq. 8); set it > 0"
+            )
+        if d.label_scenario == "client":
+            client_labels = (
+                d.labels_per_class_client > 0
+                or getattr(d, "client_label_ratio", 0.0) > 0
+                or d.partition_method == "noniid_3"
+            )
+            if not client_labels:
+                raise ConfigError(
+                    "data_args.labels_per_class_client: fedsiam in labels-at-client needs labeled client "
+                    "data for L (Eq. 7); set it > 0, or data_args.client_label_ratio > 0 (the paper's gamma)"
+                )
+            if d.num_server_labels > 0:
+                log.warning(
+                    "fedsiam: labels-at-client with %d server labels: the server also trains on them each "
+                    "round (the paper's labels-at-client has no server data; set data_args.num_server_labels=0)",
+                    d.num_server_labels,
+                )
+
+    # ---- schedules -------------------------------------------------------------------------------
+    @property
+    def first_tipping_point(self) -> int:
+        """phi_g, resolved (Table 4: 3 for the linear curve, 10 for the rectangle)."""
+        return DEFAULT_PHI_G[self.tau_schedule] if self.phi_g is None else self.phi_g
+
+    @property
+    def window_length(self) -> int:
+        """Rounds in the server's FSM window (Sec. 3.3.2: phi_g)."""
+        return self.window_rounds if self.window_rounds is not None else max(1, self.first_tipping_point)
+
+    def tau(self, round_idx: int, total_rounds: int) -> float:
+        """The online upload rate of round ``round_idx`` (0-based; ``R_g = round_idx + 1``), in [0, 1]."""
+        if self.variant == "pi":
+            return 0.0
+        if self.variant == "mt":
+            return 1.0
+        r_g, phi = round_idx + 1, self.first_tipping_point
+        if self.tau_schedule == "linear":
+            value = linear_tau(r_g, total_rounds, phi, self.mu)
+        else:
+            value = rectangle_tau(r_g, total_rounds, phi, self.varphi_g, self.mu)
+        return min(1.0, max(0.0, value))
+
+    def ema_active(self, round_idx: int) -> bool:
+        """Whether alpha > 0 in round ``round_idx``: never for Pi, always for MT, after phi_g for D."""
+        if self.variant == "pi":
+            return False
+        if self.variant == "mt":
+            return True
+        return round_idx + 1 > self.first_tipping_point
+
+    def alpha(self, round_idx: int, t: int) -> float:
+        """Eq. 9's alpha for the client's ``t``-th step (1-based) in round ``round_idx``."""
+        return ema_alpha(t, self.alpha_max) if self.ema_active(round_idx) else 0.0
+
+    def beta(self, round_idx: int) -> float:
+        """beta^k of Eq. 7/8 in round ``round_idx``: a sigmoid ramp-up to ``beta_max``."""
+        return self.beta_max * sigmoid_rampup(round_idx, self.beta_rampup_rounds)
+
+
+# ---- the algorithm -----------------------------------------------------------------------------------
+@register_algorithm
+class FedSiam(GlobalModelAlgorithm):
+    """FedSiam: siamese clients, FSM layer selection, FedAvg of targets and (partly borrowed) online nets.
+
+    Server state: ``global_state`` (the global online net G, broadcast and evaluated),
+    ``global_target``, their aggregates before the server's supervised step, and the FSM window.
+    """
+
+    name = "fedsiam"
+    config_class = FedSiamConfig
+    label_scenarios = ("server", "client")
+
+    # ---- server ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        self.global_target: dict[str, torch.Tensor] = dict(self.global_state)
+        self.agg_online: dict[str, torch.Tensor] = dict(self.global_state)
+        self.agg_target: dict[str, torch.Tensor] = dict(self.global_state)
+        self.layers = layer_groups(self.global_state.keys())
+        self.window = FSMWindow(self.config.window_length)
+        self.server_trains = self.server_data.labeled_idx.numel() > 0
+        self.tau_now, self.boundary_now = 0.0, math.inf
+
+    @property
+    def sends_online(self) -> bool:
+        """Whether messages carry the online net (not for Pi, whose online net is its target)."""
+        return self.config.variant != "pi"
+
+    def _ensure_scratch(self, *slots: str) -> None:
+        """Build missing scratch models before the seeded block (initialisation draws from the global RNG)."""
+        for slot in slots:
+            if slot not in self._scratch:
+                self._scratch[slot] = self.model_fn()
+
+    def _server_update(self, round_idx: int) -> None:
+        """Eq. 8, first line: ``train_args.local_steps`` supervised steps on the aggregated online net."""
+        self._ensure_scratch("server")
+        self.global_state = self.train_on_server_labels(self.agg_online, round_idx)
+        # alpha = 0 makes the target the online net; otherwise the target stays as aggregated
+        self.global_target = dict(self.global_state) if not self.config.ema_active(round_idx) else dict(self.agg_target)
+
+    def server_step(self, round_idx: int) -> None:
+        self.tau_now = self.config.tau(round_idx, self.train.comm_round)
+        self.boundary_now = self.window.boundary(self.tau_now)
+        if self.server_trains:
+            self._server_update(round_idx)
+
+    def message_for(self, client_id: int, round_idx: int) -> Message:
+        weights = dict(self.global_target)
+        if self.sends_online:
+            weights.update({ONLINE_PREFIX + k: v for k, v in self.global_state.items()})
+        boundary = self.boundary_now if math.isfinite(self.boundary_now) else 0.0
+        return Message(weights=weights, extras={"round": round_idx, "tau": self.tau_now, "boundary": boundary})
+
+    def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
+        live = [m for m in replies.values() if not m.is_empty]
+        metrics: dict[str, float] = {"clients_sent": float(len(live)), "tau": self.tau_now}
+        if self.config.variant == "d" and 0.0 < self.tau_now:
+            metrics["boundary"] = self.boundary_now
+        if self.config.variant == "d":
+            vectors = [m.extras["fsm"] for m in live if "fsm" in m.extras]
+            self.window.push(torch.cat(vectors) if vectors else torch.zeros(0))
+            metrics["window_values"] = float(self.window.values().numel())
+        if not live:
+            return metrics
+        keys = list(self.global_state)
+        counts = [m.num_samples for m in live]
+        targets = [{k: m.weights[k] for k in keys} for m in live]
+        # Sec. 3.3: a layer a client did not upload from its online net is borrowed from its target
+        onlines = [{k: m.weights.get(ONLINE_PREFIX + k, m.weights[k]) for k in keys} for m in live]
+        self.agg_target = weighted_average(targets, counts)
+        self.agg_online = weighted_average(onlines, counts) if self.sends_online else dict(self.agg_target)
+        if not self.server_trains:
+            self.global_state, self.global_target = dict(self.agg_online), dict(self.agg_target)
+        uploaded = sum(sum(1 for ks in self.layers.values() if ONLINE_PREFIX + ks[0] in m.weights) for m in live)
+        metrics["online_frac"] = uploaded / (len(live) * len(self.layers))
+        fsm_means = [m.extras["metrics"]["fsm_mean"] for m in live if "fsm_mean" in m.extras.get("metrics", {})]
+        if fsm_means:
+            metrics["fsm_mean"] = sum(fsm_means) / len(fsm_means)
+        return metrics
+
+    def finalize(self) -> None:
+        """Labels-at-server: one more server update on the last round's aggregate (the final G)."""
+        if self.server_trains:
+            self._server_update(self.train.comm_round - 1)
+
+    def global_model(self) -> nn.Module:
+        if self._eval_model is None:
+            self._eval_model = self.model_fn()
+        weights = self.global_target if self.config.eval_net == "target" else self.global_state
+        self._eval_model.load_state_dict(weights)
+        return self._eval_model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "global_target": dict(self.global_target),
+            "agg_online": dict(self.agg_online),
+            "agg_target": dict(self.agg_target),
+            "window": self.window.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.global_target = state["global_target"]
+        self.agg_online = state["agg_online"]
+        self.agg_target = state["agg_target"]
+        self.window.load_state_dict(state["window"])
+
+    # ---- client ----------------------------------------------------------------------------------
+    def local_steps(self, data: ClientData) -> int:
+        """Steps this round: ``train_args.local_steps``, or ``local_epochs`` passes over the main data."""
+        if self.config.local_epochs is None:
+            return self.train.local_steps
+        n = data.num_unlabeled or data.num_labeled
+        return self.config.local_epochs * math.ceil(n / min(self.train.batch_size, n))
+
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        if data.num_labeled + data.num_unlabeled == 0:
+            return Message()
+        self._ensure_scratch("client", "target")
+        n_lab, n_unl = data.num_labeled, data.num_unlabeled
+        cfg, round_idx, device = self.config, ctx.round_idx, ctx.device
+        target_w = {k: v for k, v in msg.weights.items() if not k.startswith(ONLINE_PREFIX)}
+        online_w = {k[len(ONLINE_PREFIX) :]: v for k, v in msg.weights.items() if k.startswith(ONLINE_PREFIX)}
+        online_sent = bool(online_w)
+        if not cfg.target_sync and "target" in state:
+            target_w = state["target"]
+        online = self.scratch_model(online_w or target_w, device, slot="client")
+        target = self.scratch_model(target_w, device, slot="target")
+        online.train()
+        target.train()
+        pipeline = InputPipeline(self.data_info, device)
+        gen = ctx.generator(data.client_id)
+        bs = self.train.batch_size
+        lab_stream = BatchStream(data.labeled_idx, bs, gen) if n_lab else None
+        unl_stream = BatchStream(data.unlabeled_idx, bs, gen) if n_unl else None
+        steps = self.local_steps(data)
+        opt = make_optimizer(online, self.train)
+        pairs = ema_pairs(target, online)
+        consistency = softmax_mse if cfg.consistency == "mse" else kl_consistency
+        beta = cfg.beta(round_idx)
+        party = client_party(data.client_id)
+        t = int(state.get("steps", 0))
+        T = self.train.local_steps
+        totals = {"loss": 0.0, "ce": 0.0, "consistency": 0.0}
+        alpha = 0.0
+        for s in range(steps):
+            set_lr(opt, cosine_lr(self.train, round_idx * T + (s * T) // steps))
+            x_online, x_target = [], []
+            n_sup, labels = 0, None
+            if lab_stream is not None:
+                b = next(lab_stream)
+                raw = data.images[b]
+                x_online.append(pipeline.weak(raw, gen))  # x + eta
+                if cfg.consistency_on_labeled:
+                    x_target.append(pipeline.weak(raw, gen))  # x + eta'
+                n_sup, labels = b.numel(), data.labels[b].to(device)
+            if unl_stream is not None:
+                raw = data.images[next(unl_stream)]
+                x_online.append(pipeline.weak(raw, gen))
+                x_target.append(pipeline.weak(raw, gen))
+            logits = online(torch.cat(x_online))
+            loss = torch.zeros((), device=device)
+            if labels is not None:
+                ce = F.cross_entropy(logits[:n_sup], labels)  # L, Eq. 6
+                loss = loss + ce
+                totals["ce"] += float(ce.detach())
+            if x_target:
+                with torch.no_grad():
+                    probs = F.softmax(target(torch.cat(x_target)).float(), dim=1)
+                j = consistency(logits if cfg.consistency_on_labeled else logits[n_sup:], probs)  # J, Eq. 4/5
+                loss = loss + beta * j
+                totals["consistency"] += float(j.detach())
+            check_finite(loss, round_idx, party)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            t += 1
+            alpha = cfg.alpha(round_idx, t)
+            ema_update(pairs, alpha)  # Eq. 9
+            totals["loss"] += float(loss.detach())
+        state["steps"] = t
+        target_state, online_state = cpu_state(target), cpu_state(online)
+        if not cfg.target_sync:
+            state["target"] = target_state
+        groups = layer_groups(target_state.keys())
+        divergence = fsm(target_state, online_state, groups)  # Eq. 10
+        tau, boundary = float(msg.extras.get("tau", 0.0)), float(msg.extras.get("boundary", 0.0))
+        weights = dict(target_state)
+        uploaded = 0
+        if online_sent and tau > 0:
+            for j, keys in enumerate(groups.values()):
+                if tau >= 1 or float(divergence[j]) >= boundary:  # Sec. 3.3.2
+                    weights.update({ONLINE_PREFIX + k: online_state[k] for k in keys})
+                    uploaded += 1
+        metrics = {k: v / steps for k, v in totals.items()}
+        if labels is None:
+            metrics.pop("ce")
+        metrics.update(
+            beta=beta,
+            alpha=alpha,
+            steps_total=float(t),
+            fsm_mean=float(divergence.mean()),
+            fsm_max=float(divergence.max()),
+            online_frac=uploaded / len(groups),
+        )
+        extras: dict[str, Any] = {"metrics": metrics}
+        if cfg.variant == "d":
+            extras["fsm"] = divergence.float()
+        return Message(weights=weights, num_samples=n_lab + n_unl, extras=extras)

@@ -1,0 +1,251 @@
+"""Local-only baselines of FedMatch: Local-SL, Local-FixMatch, Local-UDA (no sharing at all).
+
+Jeong et al. (2021, Sec. 5, Tables 1-2) report "Local-" baselines: every client trains its own
+model on its own data and nothing is ever aggregated; the accuracy is the mean over the clients'
+models. The client losses are those of :mod:`.fedssl_baselines`:
+
+* ``local_sl``: cross-entropy (weak augmentation). As in FedMatch's tables, where "the SL models
+  learn on both S and U with full labels" (the upper bound), a client trains on all its samples
+  with their true labels by default; ``use_all_labels: false`` trains on its labeled samples only
+  (the lower bound);
+* ``local_fixmatch``: FixMatch (Sohn et al. 2020), see :class:`.FixMatchConfig`;
+* ``local_uda``: UDA (Xie et al. 2020), see :class:`.UDAConfig`.
+
+Labels-at-client only: in labels-at-server the clients hold no labels, so a local model could
+learn nothing, and the server's model alone is ``server_only`` (FedMatch Table 2 marks Local-* N/A
+there).
+
+Protocol. A client keeps its own model in its persistent ``state["model"]`` (CPU tensors). The
+only traffic is the common initial model, which the server sends to a client the first time it is
+sampled (counted as download bytes); every later message is empty. After its T local steps a
+client replies ``Message(weights={}, extras={"eval_weights": ..., "metrics": ...})``: its model
+travels only so that the simulator can test it (``eval_weights`` is a diagnostic extra, never
+counted as communication). The server keeps each client's latest model; clients never sampled
+yet count with the initial model.
+
+* :meth:`LocalBaseline.evaluation_models` returns one model per client (K of them), so the run's
+  accuracy is the mean (and the log's min / max) over the K clients, as FedMatch averages the
+  local models' accuracies. The models are loaded lazily into one shared module (K full models
+  are never held at once beyond their weights).
+* :meth:`LocalBaseline.global_model` (what a single-model evaluation or export sees) is the
+  model of the client that trained on the most samples (ties: the lowest id), the initial model
+  before any client has trained. It is not a federated model: there is none.
+
+Deviations: K comes from the validated config (``train_args.client_num_in_total``, recorded by
+the config's ``check``); for an algorithm built from an unvalidated config it is one more than the
+largest client id seen. The server keeps a copy of every client model besides the clients' own
+states, so a checkpoint holds the local models twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..training import InputPipeline, cpu_state, supervised_steps
+from .base import AlgorithmConfig, ClientContext, ClientData, Message
+from .common import GlobalModelAlgorithm, client_party
+from .fedssl_baselines import FixMatchConfig, UDAConfig, train_ssl_client
+from .registry import register_algorithm
+
+LOCAL_SCENARIO_NOTE = (
+    "local baselines need labels at the clients (FedMatch Table 2 marks Local-* N/A in labels-at-server: the "
+    "clients hold no labels there); for the server's labels alone use 'server_only'"
+)
+
+
+@dataclass
+class LocalSLConfig(AlgorithmConfig):
+    """``local_sl``.
+
+    Attributes
+    ----------
+    use_all_labels : bool
+        True (FedMatch's Local-SL, an upper bound): train on all the client's samples with their
+        true labels, reading ``labels[unlabeled_idx]`` on purpose, as ``fedavg_sl`` does. False:
+        on its labeled samples only.
+    """
+
+    use_all_labels: bool = True
+
+
+@dataclass
+class LocalFixMatchConfig(FixMatchConfig):
+    """``local_fixmatch``: FixMatch's keys (``threshold``, ``lambda_u``, ``unlabeled_ratio``)."""
+
+
+@dataclass
+class LocalUDAConfig(UDAConfig):
+    """``local_uda``: UDA's keys (``temperature``, ``threshold``, ``lambda_u``, ``tsa``, ``unlabeled_ratio``)."""
+
+
+class ClientModels(Sequence[nn.Module]):
+    """One model per client, each loaded on access into a single shared module.
+
+    ``models[k]`` is the shared module holding client k's weights until the next access: use
+    each model before taking the next (as the runtime's evaluation loop does).
+    """
+
+    def __init__(self, module: nn.Module, states: list[dict[str, torch.Tensor]]):
+        self._module = module
+        self._states = states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __getitem__(self, k: int) -> nn.Module:  # type: ignore[override]
+        self._module.load_state_dict(self._states[k])
+        return self._module
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for k in range(len(self)):
+            yield self[k]
+
+
+class LocalBaseline(GlobalModelAlgorithm):
+    """Each client trains its own model; the server only hands out the initial model once.
+
+    ``global_state`` holds the common initial model; subclasses write :meth:`train_client`.
+    """
+
+    label_scenarios = ("client",)
+    label_scenario_note: ClassVar[str] = LOCAL_SCENARIO_NOTE
+
+    def setup(self) -> None:
+        super().setup()
+        self.client_models: dict[int, dict[str, torch.Tensor]] = {}
+        self.client_sizes: dict[int, int] = {}
+        self.sent_init: set[int] = set()
+
+    # ---- client ------------------------------------------------------------------------
+    def num_train_samples(self, data: ClientData) -> int:
+        """How many samples the client trains on (0: it has nothing to do, and sends nothing)."""
+        raise NotImplementedError
+
+    def train_client(self, model: nn.Module, data: ClientData, ctx: ClientContext) -> dict[str, float]:
+        """T local steps on the client's own data; returns metrics."""
+        raise NotImplementedError
+
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        weights = state.get("model") or msg.weights
+        if not weights:
+            raise RuntimeError(
+                f"{client_party(data.client_id)} has no model: its state holds none and the message carries none "
+                "(the server sends the initial model with a client's first message only)"
+            )
+        state["model"] = dict(weights)
+        n = self.num_train_samples(data)
+        if n == 0:
+            return Message()
+        model = self.scratch_model(weights, ctx.device)
+        metrics = self.train_client(model, data, ctx)
+        new = cpu_state(model)
+        state["model"] = new
+        return Message(num_samples=n, extras={"eval_weights": new, "metrics": metrics})
+
+    # ---- server ------------------------------------------------------------------------
+    def message_for(self, client_id: int, round_idx: int) -> Message:
+        if client_id in self.sent_init:
+            return Message()
+        self.sent_init.add(client_id)
+        return Message(weights=dict(self.global_state))
+
+    def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
+        for k, m in replies.items():
+            weights = m.extras.get("eval_weights")
+            if weights is not None:
+                self.client_models[k] = weights
+                self.client_sizes[k] = m.num_samples
+        return {}
+
+    def evaluation_models(self) -> ClientModels:
+        """One model per client (K), the initial model for clients that never trained."""
+        if self._eval_model is None:
+            self._eval_model = self.model_fn()
+        states = [self.client_models.get(k, self.global_state) for k in range(self.train.num_clients)]
+        return ClientModels(self._eval_model, states)
+
+    def global_model(self) -> nn.Module:
+        """The model of the client with the most training samples (initial model before any)."""
+        if self._eval_model is None:
+            self._eval_model = self.model_fn()
+        state = self.global_state
+        if self.client_models:
+            best = min(self.client_models, key=lambda k: (-self.client_sizes.get(k, 0), k))
+            state = self.client_models[best]
+        self._eval_model.load_state_dict(state)
+        return self._eval_model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "client_models": {k: dict(v) for k, v in self.client_models.items()},  # tensors are never changed in place
+            "client_sizes": dict(self.client_sizes),
+            "sent_init": sorted(self.sent_init),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.client_models = dict(state["client_models"])
+        self.client_sizes = dict(state["client_sizes"])
+        self.sent_init = set(state["sent_init"])
+
+
+@register_algorithm
+class LocalSL(LocalBaseline):
+    """Local-SL: supervised training on the client's own samples, nothing shared."""
+
+    name = "local_sl"
+    config_class = LocalSLConfig
+
+    def _indices(self, data: ClientData) -> torch.Tensor:
+        if self.config.use_all_labels:
+            return torch.cat([data.unlabeled_idx, data.labeled_idx])
+        return data.labeled_idx
+
+    def num_train_samples(self, data: ClientData) -> int:
+        return int(self._indices(data).numel())
+
+    def train_client(self, model: nn.Module, data: ClientData, ctx: ClientContext) -> dict[str, float]:
+        loss = supervised_steps(
+            model,
+            InputPipeline(self.data_info, ctx.device),
+            data.images,
+            data.labels,
+            self._indices(data),
+            self.train,
+            ctx.round_idx,
+            ctx.generator(data.client_id),
+            party=client_party(data.client_id),
+        )
+        return {"loss": loss}
+
+
+class _LocalSSL(LocalBaseline):
+    """Local FixMatch / UDA: the federated baselines' client step, without a server."""
+
+    def num_train_samples(self, data: ClientData) -> int:
+        return data.num_labeled + data.num_unlabeled
+
+    def train_client(self, model: nn.Module, data: ClientData, ctx: ClientContext) -> dict[str, float]:
+        return train_ssl_client(self, model, data, ctx)
+
+
+@register_algorithm
+class LocalFixMatch(_LocalSSL):
+    """Local-FixMatch: FixMatch on the client's own data, nothing shared."""
+
+    name = "local_fixmatch"
+    config_class = LocalFixMatchConfig
+
+
+@register_algorithm
+class LocalUDA(_LocalSSL):
+    """Local-UDA: UDA on the client's own data, nothing shared."""
+
+    name = "local_uda"
+    config_class = LocalUDAConfig
