@@ -39,13 +39,13 @@ def _world(scenario: str, train: TrainSettings | None = None, **cfg):
     images = torch.randint(0, 256, (80, 1, 8, 8), generator=gen, dtype=torch.uint8)
     labels = torch.randint(0, 4, (80,), generator=gen)
     server_labeled = torch.arange(0, 16) if scenario == "server" else torch.arange(0)
-    server = ServerData(images, labels, server_labeled, torch.arange(0), 4)
+    server = ServerData(images, labels, server_labeled, torch.arange(0), 4, label_scenario=scenario)
 
     def model_fn():
         return build_model("cnn28", num_classes=4, in_channels=1, image_size=8, norm="gn")
 
     train = train or TrainSettings(local_steps=2, batch_size=8, comm_round=4, learning_rate=0.01)
-    algo = FedMatch(FedMatchConfig(scenario=scenario, **cfg), model_fn, server, info, train, CPU, 0)
+    algo = FedMatch(FedMatchConfig(**cfg), model_fn, server, info, train, CPU, 0)
     algo.setup()
     return algo, images, labels
 
@@ -294,7 +294,7 @@ def test_clients_hold_the_global_model_within_the_threshold_and_deltas_shrink() 
         sizes.append(message_nbytes(msgs[0]))
         algo.aggregate(replies, r)
     assert all(t.device.type == "cpu" for st in states.values() for t in st["view"].values())
-    full = FedMatchConfig(scenario="server", s2c_deltas=False)
+    full = FedMatchConfig(s2c_deltas=False)
     algo.config = full  # full tensors instead: the client's copy is the global model exactly
     msg = algo.message_for(0, 3)
     view, _ = algo.receive(msg, {})
@@ -312,7 +312,6 @@ def test_config_defaults_follow_the_scenario_and_bad_values_name_the_key() -> No
         ).ssfl_args
 
     client, server = cfg("client"), cfg("server")
-    assert client.scenario == "client" and server.scenario == "server"
     assert client.resolved("lambda_l1", "client") == 1e-4 and server.resolved("lambda_l1", "server") == 1e-5
     assert client.resolved("c2s_threshold", "client") == 5e-5 and server.resolved("c2s_threshold", "server") == 1e-5
     assert client.resolved("psi_threshold", "client") == 5e-6 and server.resolved("psi_threshold", "server") == 1e-5
@@ -327,8 +326,6 @@ def test_config_defaults_follow_the_scenario_and_bad_values_name_the_key() -> No
         ({"helper_interval": 0}, "helper_interval"),
         ({"num_helpers": -1}, "num_helpers"),
         ({"probe_size": 0}, "probe_size"),
-        ({"scenario": "server"}, "scenario"),
-        ({"scenario": "both"}, "scenario"),
     ]:
         with pytest.raises(ConfigError, match=rf"ssfl_args\.{key}"):
             cfg("client", **bad)

@@ -104,7 +104,7 @@ Choices and deviations (the paper is silent or vague):
   ``2 sigma``; the savings come from small per-round changes (large models, small learning
   rates, late rounds). On ``cnn28`` (24k parameters) with the paper's thresholds every delta is
   dense in a short run: C2S = 2 dense models labels-at-client, 1 labels-at-server.
-* ``scenario``: left null, the config check fills it from ``data_args.label_scenario``.
+* The scenario is the run's ``data_args.label_scenario`` (``ServerData.label_scenario``);
   ``lambda_l1``, ``c2s_threshold``, ``psi_threshold`` left null take the scenario's default;
   ``s2c_threshold`` null follows ``c2s_threshold``.
 """
@@ -149,8 +149,6 @@ class FedMatchConfig(AlgorithmConfig):
 
     Attributes
     ----------
-    scenario : str or None
-        ``client`` (Algorithm 1) or ``server`` (Algorithm 2); null: ``data_args.label_scenario``.
     lambda_s : float
         Weight of the supervised loss, Eq. 4 (10).
     lambda_a : float
@@ -187,7 +185,6 @@ class FedMatchConfig(AlgorithmConfig):
         Number of noise images the helper embedding is computed on (1).
     """
 
-    scenario: str | None = None
     lambda_s: float = 10.0
     lambda_a: float = 1e-2
     lambda_i: float = 1e-2
@@ -207,17 +204,7 @@ class FedMatchConfig(AlgorithmConfig):
     probe_size: int = 1
 
     def check(self, cfg) -> None:
-        """Cross-checks against the experiment config; fills ``scenario`` (raises :class:`ConfigError`)."""
-        data_scenario = cfg.data_args.label_scenario
-        if self.scenario is None:
-            self.scenario = data_scenario
-        if self.scenario not in SCENARIO_DEFAULTS:
-            raise ConfigError(f"ssfl_args.scenario: {self.scenario!r} is not one of client, server (or null)")
-        if self.scenario != data_scenario:
-            raise ConfigError(
-                f"ssfl_args.scenario: {self.scenario!r} disagrees with data_args.label_scenario "
-                f"{data_scenario!r}; leave ssfl_args.scenario null"
-            )
+        """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
         for key in ("lambda_s", "lambda_a", "lambda_i", "lambda_l2", "psi_init_factor"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
@@ -240,7 +227,7 @@ class FedMatchConfig(AlgorithmConfig):
             )
         if self.probe_size < 1:
             raise ConfigError(f"ssfl_args.probe_size: {self.probe_size} must be >= 1")
-        if self.scenario == "server" and cfg.data_args.num_server_labels <= 0:
+        if cfg.data_args.label_scenario == "server" and cfg.data_args.num_server_labels <= 0:
             raise ConfigError(
                 "data_args.num_server_labels: fedmatch labels-at-server trains sigma on the server's labels "
                 "(Algorithm 2); set it > 0"
@@ -290,10 +277,8 @@ class FedMatch(GlobalModelAlgorithm):
     # ---- settings ------------------------------------------------------------------------
     @property
     def scenario(self) -> str:
-        """``client`` or ``server``; inferred from the server's labels when the config left it null."""
-        if self.config.scenario is not None:
-            return self.config.scenario
-        return "server" if self.server_data.labeled_idx.numel() > 0 else "client"
+        """``client`` (Algorithm 1) or ``server`` (Algorithm 2): the run's label scenario."""
+        return self.server_data.label_scenario
 
     def setting(self, key: str) -> float:
         return self.config.resolved(key, self.scenario)

@@ -115,8 +115,8 @@ Deviations and choices where the paper is vague:
   global target instead. In labels-at-server the accuracy logged after round t is that of the
   model broadcast in round t (the server trains at the round's start); the final evaluation
   includes the last round's clients and one more server update.
-* With server labels in labels-at-client (``data_args.num_server_labels > 0``) the server also
-  trains on them each round; the paper's labels-at-client has no server data (set it to 0).
+* In labels-at-client the server only aggregates, as in the paper (any labels it holds,
+  ``data_args.num_server_labels > 0``, are ignored, like FedMatch and the FedAvg baselines do).
 * The paper evaluates FedSiam-D only in labels-at-client (Sec. 4.3); it is offered in both.
 * Dropout (the paper's CIFAR/SVHN CNN has some) draws from torch's global stream, which the
   runtimes seed per (run seed, round, party) around every server step and client update
@@ -127,7 +127,6 @@ Deviations and choices where the paper is vague:
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -144,8 +143,6 @@ from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state, make_op
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
 from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
-
-log = logging.getLogger(__name__)
 
 VARIANTS = ("pi", "mt", "d")
 CONSISTENCY_LOSSES = ("mse", "kl")
@@ -393,12 +390,6 @@ class FedSiamConfig(AlgorithmConfig):
                     "data_args.labels_per_class_client: fedsiam in labels-at-client needs labeled client "
                     "data for L (Eq. 7); set it > 0, or data_args.client_label_ratio > 0 (the paper's gamma)"
                 )
-            if d.num_server_labels > 0:
-                log.warning(
-                    "fedsiam: labels-at-client with %d server labels: the server also trains on them each "
-                    "round (the paper's labels-at-client has no server data; set data_args.num_server_labels=0)",
-                    d.num_server_labels,
-                )
 
     # ---- schedules -------------------------------------------------------------------------------
     @property
@@ -462,7 +453,7 @@ class FedSiam(GlobalModelAlgorithm):
         self.agg_target: dict[str, torch.Tensor] = dict(self.global_state)
         self.layers = layer_groups(self.global_state.keys())
         self.window = FSMWindow(self.config.window_length)
-        self.server_trains = self.server_data.labeled_idx.numel() > 0
+        self.server_trains = self.server_data.label_scenario == "server" and self.server_data.labeled_idx.numel() > 0
         self.tau_now, self.boundary_now = 0.0, math.inf
 
     @property
