@@ -55,6 +55,17 @@ VARIANTS = {
     "fedseal": [
         ("fedseal (paper defaults; + 100-sample server validation set)", ["data_args.num_server_val=100"], None)
     ],
+    # lambda_s = 10 multiplies the supervised step: lr 0.003 gives sigma the other rows' 0.03
+    "fedmatch": [
+        ("fedmatch (lr 0.003)", ["train_args.learning_rate=0.003"], None),
+        ("fedmatch (labels-at-client, lr 0.003)", [*CLIENT, "train_args.learning_rate=0.003"], None),
+    ],
+    "fedsiam": [
+        ("fedsiam-D", [], None),
+        ("fedsiam-Pi (labels-at-client)", [*CLIENT, "ssfl_args.variant=pi"], None),
+        ("fedsiam-MT (labels-at-client)", [*CLIENT, "ssfl_args.variant=mt"], None),
+        ("fedsiam-D (labels-at-client)", [*CLIENT, "ssfl_args.variant=d"], None),
+    ],
 }
 
 NOTES = """\

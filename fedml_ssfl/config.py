@@ -378,6 +378,21 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
     _check_partition(cfg.data_args)
 
 
+def partition_options(d: DataArgs) -> dict[str, Any]:
+    """The ``data_args`` keys that the partition methods share (passed on by name)."""
+    keys = (
+        "classes_per_client",
+        "client_label_ratio",
+        "imbalance_strength",
+        "num_stages",
+        "rounds_per_stage",
+        "rich_client_fraction",
+        "rich_label_ratio",
+        "poor_label_ratio",
+    )
+    return {k: getattr(d, k) for k in keys}
+
+
 def _check_partition(d: DataArgs) -> None:
     """The partition method's keys go together (labels-at-client-only methods, label ratio gamma ...)."""
     from .data.partition import check_method_options  # late: the data package imports torch
@@ -386,14 +401,7 @@ def _check_partition(d: DataArgs) -> None:
         check_method_options(
             method=d.partition_method,
             scenario=d.label_scenario,
-            classes_per_client=d.classes_per_client,
-            client_label_ratio=d.client_label_ratio,
-            imbalance_strength=d.imbalance_strength,
-            num_stages=d.num_stages,
-            rounds_per_stage=d.rounds_per_stage,
-            rich_client_fraction=d.rich_client_fraction,
-            rich_label_ratio=d.rich_label_ratio,
-            poor_label_ratio=d.poor_label_ratio,
+            **partition_options(d),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

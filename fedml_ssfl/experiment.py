@@ -17,7 +17,7 @@ from torch import nn
 from . import seeding
 from .algorithms import registry
 from .algorithms.base import Algorithm, ClientData, DataInfo, ServerData, TrainSettings
-from .config import ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig, partition_options
 from .data import ImageDataset, Split, build_split, load_dataset
 from .models import build_model
 
@@ -99,15 +99,8 @@ def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
             method=d.partition_method,
             non_iid_r=d.non_iid_r,
             alpha=d.partition_alpha,
-            classes_per_client=d.classes_per_client,
             labels_per_class_client=d.labels_per_class_client,
-            client_label_ratio=d.client_label_ratio,
-            imbalance_strength=d.imbalance_strength,
-            num_stages=d.num_stages,
-            rounds_per_stage=d.rounds_per_stage,
-            rich_client_fraction=d.rich_client_fraction,
-            rich_label_ratio=d.rich_label_ratio,
-            poor_label_ratio=d.poor_label_ratio,
+            **partition_options(d),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

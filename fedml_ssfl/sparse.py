@@ -67,7 +67,7 @@ def sparsify(delta: torch.Tensor, threshold: float, dense_fallback: bool = True)
     if dense_fallback and sparse_nbytes(nnz, flat.element_size()) >= flat.numel() * flat.element_size():
         return flat.clone()
     idx = keep.nonzero().reshape(1, -1)
-    return torch.sparse_coo_tensor(idx, flat[keep], (flat.numel(),), is_coalesced=True)
+    return torch.sparse_coo_tensor(idx, flat[keep], (flat.numel(),), is_coalesced=True, check_invariants=False)
 
 
 def densify(t: torch.Tensor, shape: torch.Size | tuple[int, ...] | None = None) -> torch.Tensor:

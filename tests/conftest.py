@@ -39,3 +39,41 @@ def small_config(tmp_path):
         return load_config(None, [*SMALL, f"common_args.output_dir={tmp_path / 'runs'}", *overrides])
 
     return make
+
+
+def assert_same_state(a, b, path: str = "state") -> None:
+    """Nested dicts / lists of tensors and plain values are identical (tensors bit for bit)."""
+    import math
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.layout == b.layout, path
+        assert torch.equal(a.to_dense() if a.is_sparse else a, b.to_dense() if b.is_sparse else b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            assert_same_state(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple, set)) and not isinstance(a, set):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+def resume_matches_uninterrupted(cfg: ExperimentConfig, tmp_path, stop_after: int = 2) -> tuple[dict, dict]:
+    """Run ``cfg`` whole and as ``stop_after`` rounds + ``--resume``; assert the final checkpoints'
+    algorithm and client states are identical; return both checkpoints (full, resumed)."""
+    from fedml_ssfl.checkpoint import load_checkpoint
+    from fedml_ssfl.runtime.local import run_local
+
+    full = run_local(cfg, run_dir=tmp_path / "full")
+    run_local(cfg, run_dir=tmp_path / "part", stop_after=stop_after)
+    resumed = run_local(cfg, run_dir=tmp_path / "part", resume=True)
+    assert resumed.rounds_completed == full.rounds_completed and resumed.final_acc == full.final_acc
+    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "part" / "checkpoints" / "last.pt")
+    assert_same_state(a["algorithm"], b["algorithm"], "algorithm")
+    assert_same_state(a["client_states"], b["client_states"], "client_states")
+    return a, b

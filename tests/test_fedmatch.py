@@ -20,7 +20,6 @@ from fedml_ssfl.algorithms.base import (
     message_nbytes,
 )
 from fedml_ssfl.algorithms.fedmatch import FedMatch, FedMatchConfig
-from fedml_ssfl.checkpoint import load_checkpoint
 from fedml_ssfl.config import ConfigError, validate
 from fedml_ssfl.helper_selection import nearest_helpers
 from fedml_ssfl.models import build_model
@@ -28,6 +27,7 @@ from fedml_ssfl.runtime.fedml_backend import check_reply
 from fedml_ssfl.runtime.local import run_local
 from fedml_ssfl.sparse import densify, nbytes
 from fedml_ssfl.ssl import agreement_pseudo_labels
+from tests.conftest import resume_matches_uninterrupted
 
 CPU = torch.device("cpu")
 
@@ -372,21 +372,7 @@ def test_resume_equals_an_uninterrupted_run(small_config, tmp_path) -> None:
         "train_args.learning_rate=0.003",
         "ssfl_args.helper_interval=2",
     )
-    full = run_local(cfg, run_dir=tmp_path / "full")
-    run_local(cfg, run_dir=tmp_path / "part", stop_after=2)
-    resumed = run_local(cfg, run_dir=tmp_path / "part", resume=True)
-    assert resumed.final_acc == full.final_acc
-    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "last.pt")
-    b = load_checkpoint(tmp_path / "part" / "checkpoints" / "last.pt")
-    for part in ("global_state", "sigma", "psi"):
-        for k, v in a["algorithm"][part].items():
-            assert torch.equal(v, b["algorithm"][part][k]), (part, k)
-    assert a["algorithm"]["embeddings"].keys() == b["algorithm"]["embeddings"].keys()
-    for k, v in a["algorithm"]["embeddings"].items():
-        assert torch.equal(v, b["algorithm"]["embeddings"][k])
-    for k, cs in a["client_states"].items():
-        for key, v in cs.get("view", {}).items():
-            assert torch.equal(v, b["client_states"][k]["view"][key])
+    resume_matches_uninterrupted(cfg, tmp_path)  # sigma, psi, embeddings, per-client views
     rows_a, rows_b = _rows(tmp_path / "full"), _rows(tmp_path / "part")
     assert [r["c2s_cost"] for r in rows_a] == [r["c2s_cost"] for r in rows_b]
     assert sum(r["helpers_sent"] for r in rows_a) > 0  # the helper rounds were part of it

@@ -14,6 +14,7 @@ from fedml_ssfl.checkpoint import CheckpointError, load_checkpoint
 from fedml_ssfl.config import ConfigError
 from fedml_ssfl.runtime.local import RunFailed, run_local
 from fedml_ssfl.sampling import sample_clients
+from tests.conftest import resume_matches_uninterrupted
 
 
 def global_state(run_dir):
@@ -99,12 +100,7 @@ def test_resume_is_exact_for_a_dropout_model(small_config, tmp_path):
     cfg = small_config(
         "ssfl_args.algorithm=fedavg_sl", "model_args.model=fedsiam_cifar_cnn", "train_args.comm_round=3"
     )
-    full = run_local(cfg, run_dir=tmp_path / "full")
-    run_local(cfg, run_dir=tmp_path / "part", stop_after=1)
-    resumed = run_local(cfg, run_dir=tmp_path / "part", resume=True)
-    a, b = global_state(full.run_dir), global_state(resumed.run_dir)
-    for k in a["global_state"]:
-        assert torch.equal(a["global_state"][k], b["global_state"][k]), k
+    resume_matches_uninterrupted(cfg, tmp_path, stop_after=1)
 
 
 def test_corrupt_checkpoint_is_refused_and_left_untouched(small_config, tmp_path):
