@@ -399,6 +399,24 @@ def test_fedsiam_d_learns_digits_with_labels_at_client(small_config, tmp_path) -
     assert between >= 1
 
 
+@pytest.mark.parametrize("variant", ["pi", "mt"])
+def test_fedsiam_learns_digits_with_labels_at_server(small_config, tmp_path, variant) -> None:
+    # 50 server labels; the server trains the aggregate each round. Measured 0.741 for both (random 0.10).
+    cfg = small_config(
+        "ssfl_args.algorithm=fedsiam",
+        f"ssfl_args.variant={variant}",
+        "train_args.comm_round=5",
+        "train_args.local_steps=12",
+        "train_args.learning_rate=0.1",
+        "ssfl_args.beta_rampup_rounds=2",
+    )
+    result = run_local(cfg, run_dir=tmp_path / variant)
+    assert result.final_acc >= 0.6, result.final_acc
+    model = sum(t.numel() * t.element_size() for t in _digits_model().state_dict().values())
+    online_sent = _rows(result.run_dir)[-1]["bytes_up"] > 4 * model + 64
+    assert online_sent == (variant == "mt")  # Pi uploads the target only, MT both nets
+
+
 def _digits_model() -> nn.Module:
     return build_model("cnn28", num_classes=10, in_channels=1, image_size=8, norm="gn")
 
