@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 import yaml
 
+log = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and the fix."""
@@ -467,10 +469,29 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set section.key=value`` overrides to a raw config mapping (a copy)."""
+    """Apply ``--set section.key=value`` overrides to a raw config mapping (a copy).
+
+    ``--set ssfl_args.algorithm=X`` naming another algorithm than the file's starts ``ssfl_args``
+    afresh (X's paper defaults plus any other ``--set ssfl_args.*``): the file's hyper-parameters
+    belong to its own algorithm. The dropped keys are logged.
+    """
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
-    for text in overrides:
-        section, key, value = parse_override(text)
+    parsed = [(text, *parse_override(text)) for text in overrides]
+    new_algo = [v for _, section, key, v in parsed if (section, key) == ("ssfl_args", "algorithm")]
+    old_ssfl = out.get("ssfl_args")
+    if new_algo and isinstance(old_ssfl, dict) and old_ssfl.get("algorithm") not in (None, new_algo[-1]):
+        dropped = sorted(k for k in old_ssfl if k != "algorithm")
+        if dropped:
+            log.warning(
+                "ssfl_args.algorithm: %s -> %s on the command line; the file's ssfl_args keys (%s) belong to %s "
+                "and were dropped",
+                old_ssfl["algorithm"],
+                new_algo[-1],
+                ", ".join(dropped),
+                old_ssfl["algorithm"],
+            )
+        out["ssfl_args"] = {}
+    for text, section, key, value in parsed:
         out.setdefault(section, {})
         if not isinstance(out[section], dict):
             raise ConfigError(f"--set {text!r}: section '{section}' is not a mapping")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -9,7 +11,6 @@ from fedml_ssfl.config import ConfigError, load_config, validate
 
 
 def test_the_main_job_is_semifl_on_mnist5k_against_server_only():
-    from pathlib import Path
 
     from fedml_ssfl.cli import DEFAULT_JOB
 
@@ -100,6 +101,18 @@ def test_overrides_apply_and_are_checked(tmp_path):
         load_config(None, ["train_args.comm_rond=7"])
 
 
+def test_switching_the_algorithm_on_the_command_line_starts_its_ssfl_args_afresh(caplog):
+    root = Path(__file__).resolve().parents[1]
+    paper = root / "configs" / "cifar10" / "fedmatch_batch_iid_client.yaml"  # has fedmatch-only keys
+    cfg = load_config(paper, ["ssfl_args.algorithm=fedprox_uda", "ssfl_args.mu=0.1"])
+    assert cfg.algorithm == "fedprox_uda" and cfg.ssfl_args.mu == 0.1 and cfg.ssfl_args.temperature == 0.4
+    assert "helper_interval" in caplog.text  # the dropped keys are named
+    same = load_config(paper, ["ssfl_args.algorithm=fedmatch"])  # same algorithm: the file's keys stay
+    assert same.ssfl_args.num_helpers == 2
+    with pytest.raises(ConfigError, match="helper_intervall"):  # typos are still caught
+        load_config(paper, ["ssfl_args.helper_intervall=3"])
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["train_args.comm_round=3", "ssfl_args.threshold=0.9"])
     path = tmp_path / "config.yaml"
@@ -119,7 +132,6 @@ def test_fingerprint_ignores_output_location_but_not_hyperparameters():
 
 
 def test_shipped_configs_validate():
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "configs"
     files = sorted(root.rglob("*.yaml"))
