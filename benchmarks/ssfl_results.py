@@ -116,6 +116,29 @@ NOTES = """\
   100 server steps a round and lr 0.1 it ends at 68%, best 73%: the gain comes from the clients).
 * FedSEAL needs a server validation set for its class-wise thresholds (Eq. 5); its row moves 100
   samples from the clients to the server for that (150 server labels in all, 50 for training).
+* The naive FL + SSL baselines in labels-at-server (FedAvg / FedProx x FixMatch / UDA) end exactly where
+  `fedavg_ssl` CRL ends, 39.3%: no client sample ever passes FixMatch's 0.95 or UDA's 0.8 confidence
+  mask (client mask rate 0 in every round), so the clients return the global model moved only by weight
+  decay and pull the average back. FedMatch's Table 1 reports the same collapse for these baselines in
+  labels-at-server (9-28% on CIFAR-10). In labels-at-client they reach 86-88%, close to the fully labeled
+  `fedavg_sl` (90.3%), because each client's 50 labels drive its update; UDA's mask rate climbs to ~50%.
+* FedMatch: 90.1% in labels-at-client (the best semi-supervised row, next to `fedavg_sl`), 63.0% in
+  labels-at-server (below `server_only`: only psi learns at the clients, and with lambda_s = 10 the
+  server's sigma steps need lr 0.003, a tenth of the other rows'). Traffic at the paper's thresholds
+  (5e-5 / 1e-5): every delta of this 24k-parameter CNN is dense, so C2S is 200% of FedAvg with labels at
+  the clients (sigma and psi) and 100% at the server (psi only), S2C 200% (213% with helper rounds).
+  Eq. 5's lambda_L2 = 10 pulls psi onto sigma, so psi stays dense (density 1.0) and the hard threshold
+  removes nothing. With a threshold of 3e-3 the sparse messages show their effect: C2S falls from 200% to
+  12% of FedAvg by the last round and S2C to under 1% (averages in the table), at 85.9% accuracy.
+* FedSiam labels-at-client: Pi 86.7% (uploads the target only: 100%), MT 85.3% (online and target:
+  200%), D 74.8% (between: 160% up, the online layers whose FSM passes the boundary). D peaks at 80.8%
+  (round 18) and then falls as tau shrinks and the server fills the missing online layers from the
+  clients' targets: with alpha = 0.999 the target averages over ~1,000 steps, longer than this whole
+  480-step run, so those layers lag; see the alpha_max 0.99 row. FedSiam-D in labels-at-server: 62.0%
+  (the paper evaluates only Pi and MT there).
+* The local-only baselines' accuracy is the mean over the 10 clients' own models (no model is shared;
+  S2C is the initial model sent once). local_sl (each client's own data fully labeled) 84.2%;
+  local_fixmatch 66.9% and local_uda 67.6% from 50 labels each: sharing (the fed rows) adds ~20 points.
 * `fedavg_sl` is the upper bound (clients hold all their labels); `server_only` the lower bound.
 * Seconds per round are wall-clock on the machine named above, with other work sharing its cores at
   times; compare rows of one table, not across tables.

@@ -12,20 +12,13 @@ from fedml_ssfl.config import CHOICES, ConfigError, validate
 from fedml_ssfl.data import Split, build_split
 from fedml_ssfl.data.partition import METHODS, imbalance_profile, imbalance_weights, round_half_up
 from fedml_ssfl.data.report import partition_report, save_partition_heatmap
+from tests.test_partition import all_sets, assert_disjoint
 
 
 def balanced_labels(per_class: int = 300, num_classes: int = 10) -> torch.Tensor:
     return torch.arange(num_classes).repeat_interleave(per_class)
 
 
-def all_sets(split: Split) -> list[torch.Tensor]:
-    return [split.server_labeled, split.server_val, *split.client_unlabeled, *split.client_labeled]
-
-
-def assert_disjoint(split: Split) -> np.ndarray:
-    joined = torch.cat(all_sets(split)).numpy()
-    assert len(np.unique(joined)) == len(joined)
-    return joined
 
 
 def classes_of(labels: torch.Tensor, idx: torch.Tensor) -> set[int]:
