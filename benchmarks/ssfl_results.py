@@ -134,8 +134,9 @@ NOTES = """\
   200%), D 74.8% (between: 160% up, the online layers whose FSM passes the boundary). D peaks at 80.8%
   (round 18) and then falls as tau shrinks and the server fills the missing online layers from the
   clients' targets: with alpha = 0.999 the target averages over ~1,000 steps, longer than this whole
-  480-step run, so those layers lag; see the alpha_max 0.99 row. FedSiam-D in labels-at-server: 62.0%
-  (the paper evaluates only Pi and MT there).
+  480-step run, so those layers lag. With alpha_max 0.99 (a ~100-step average) D ends at 81.3% with no
+  late drop, still below Pi and MT in a run this short. FedSiam-D in labels-at-server: 62.0% (the paper
+  evaluates only Pi and MT there).
 * The local-only baselines' accuracy is the mean over the 10 clients' own models (no model is shared;
   S2C is the initial model sent once). local_sl (each client's own data fully labeled) 84.2%;
   local_fixmatch 66.9% and local_uda 67.6% from 50 labels each: sharing (the fed rows) adds ~20 points.
