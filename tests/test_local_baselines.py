@@ -114,6 +114,8 @@ def test_one_model_per_client_is_evaluated(small_config, tmp_path) -> None:
     assert not same(states[0], states[2]) and not same(states[0], init)
     # the single "global" model is the client that trained on the most samples: client 2, not the shrunk 0
     assert same(algo.global_model().state_dict(), algo.client_models[2])
+    saved = algo.state_dict()  # what `fedml-ssfl export` reads is that trained model; resuming keeps the initial one
+    assert same(saved["global_state"], algo.client_models[2]) and same(saved["initial_state"], init)
     # the second message carries nothing; a client without a model of its own is an error
     assert algo.message_for(0, 1).is_empty and message_nbytes(algo.message_for(0, 1)) == 0
     with pytest.raises(RuntimeError, match="client 0 has no model"):

@@ -173,23 +173,28 @@ class LocalBaseline(GlobalModelAlgorithm):
         """The model of the client with the most training samples (initial model before any)."""
         if self._eval_model is None:
             self._eval_model = self.model_fn()
-        state = self.global_state
-        if self.client_models:
-            best = min(self.client_models, key=lambda k: (-self.client_sizes.get(k, 0), k))
-            state = self.client_models[best]
-        self._eval_model.load_state_dict(state)
+        self._eval_model.load_state_dict(self._largest_client_state())
         return self._eval_model
 
+    def _largest_client_state(self) -> dict[str, torch.Tensor]:
+        if not self.client_models:
+            return self.global_state
+        best = min(self.client_models, key=lambda k: (-self.client_sizes.get(k, 0), k))
+        return self.client_models[best]
+
     def state_dict(self) -> dict[str, Any]:
+        # "global_state" is what global_model() returns, so that `fedml-ssfl export` ships a trained
+        # client model; the common initial model is kept apart for resuming
         return {
-            **super().state_dict(),
+            "global_state": dict(self._largest_client_state()),
+            "initial_state": dict(self.global_state),
             "client_models": {k: dict(v) for k, v in self.client_models.items()},  # tensors are never changed in place
             "client_sizes": dict(self.client_sizes),
             "sent_init": sorted(self.sent_init),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        self.global_state = state["initial_state"]
         self.client_models = dict(state["client_models"])
         self.client_sizes = dict(state["client_sizes"])
         self.sent_init = set(state["sent_init"])
