@@ -138,3 +138,10 @@ def test_shipped_configs_validate():
     assert files, "configs/ should ship experiment YAMLs"
     for f in files:
         load_config(f)
+
+
+def test_config_accepts_exactly_the_partition_methods_the_data_layer_has():
+    from fedml_ssfl.config import CHOICES
+    from fedml_ssfl.data.partition import METHODS
+
+    assert CHOICES["data_args.partition_method"] == METHODS
