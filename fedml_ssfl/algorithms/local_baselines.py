@@ -31,10 +31,9 @@ yet count with the initial model.
   model of the client that trained on the most samples (ties: the lowest id), the initial model
   before any client has trained. It is not a federated model: there is none.
 
-Deviations: K comes from the validated config (``train_args.client_num_in_total``, recorded by
-the config's ``check``); for an algorithm built from an unvalidated config it is one more than the
-largest client id seen. The server keeps a copy of every client model besides the clients' own
-states, so a checkpoint holds the local models twice.
+K is ``train_args.client_num_in_total`` (``TrainSettings.num_clients``). The server keeps a copy
+of every client model besides the clients' own states, so a checkpoint holds the local models
+twice.
 """
 
 from __future__ import annotations
