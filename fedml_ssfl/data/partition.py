@@ -113,10 +113,6 @@ _WHICH = ("all", "unlabeled", "labeled")
 _DIRICHLET_TRIES = 10
 
 
-def _empty_index() -> torch.Tensor:
-    return torch.zeros(0, dtype=torch.int64)
-
-
 def round_half_up(x: float) -> int:
     """``floor(x + 0.5)``: how label ratios become counts (0.05 * 90 = 4.5 -> 5)."""
     return int(math.floor(x + 0.5 + 1e-9))
@@ -797,13 +793,6 @@ def _split_labeled(
     limit = quota if np.isscalar(quota) else np.asarray(quota)[labels]
     is_labeled = rank < limit
     return shuffled[is_labeled], shuffled[~is_labeled]
-
-
-def _labels_at_client(
-    part: np.ndarray, y: np.ndarray, per_class: int, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Split one client's indices into (labeled, unlabeled): ``per_class`` labeled of each class it holds."""
-    return _split_labeled(part, y, per_class, rng)
 
 
 def _as_index(array: np.ndarray) -> torch.Tensor:
