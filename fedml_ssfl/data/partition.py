@@ -84,20 +84,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedml_ssfl.config import CHOICES
 from fedml_ssfl.seeding import numpy_rng
 
-METHODS = (
-    "iid",
-    "r",
-    "dirichlet",
-    "shards",
-    "batch_iid",
-    "batch_noniid",
-    "streaming_noniid",
-    "noniid_1",
-    "noniid_2",
-    "noniid_3",
-)
+METHODS = CHOICES["data_args.partition_method"]
+"""The partition methods (config.py's list of allowed ``data_args.partition_method`` values)."""
 SCENARIOS = ("server", "client")
 CLIENT_ONLY_METHODS = ("noniid_2", "noniid_3")
 """Methods that only make sense with labels at the clients."""
