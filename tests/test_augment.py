@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fedml_ssfl.data import normalize, strong_augment, to_float, weak_augment
-from fedml_ssfl.data.augment import OP_NAMES, apply_op
+from fedml_ssfl.data.augment import OP_NAMES, apply_op, default_cutout, sample_ops
 from fedml_ssfl.seeding import generator
 
 
@@ -72,14 +72,14 @@ def test_strong_per_sample_ops() -> None:
     x = batch(1, 3, 32).repeat(48, 1, 1, 1)
     out, ops = strong_augment(x, generator(2, "s"), flip=False, return_ops=True)
     assert len({tuple(r) for r in ops.tolist()}) > 10
-    assert 0 <= int(ops.min()) and int(ops.max()) < len(OP_NAMES)
+    assert -1 <= int(ops.min()) and int(ops.max()) < len(OP_NAMES)
     distinct = torch.unique(out.flatten(1), dim=0)
     assert len(distinct) > 40
 
 
 def test_strong_uint8_input_via_to_float_and_no_cutout() -> None:
     x = (batch(8, 1, 28) * 255).to(torch.uint8)
-    out = strong_augment(to_float(x), generator(0), flip=False, cutout=0.0, num_ops=1, magnitude=5)
+    out = strong_augment(to_float(x), generator(0), flip=False, cutout=0, num_ops=1, magnitude=5)
     assert out.shape == (8, 1, 28, 28) and 0 <= out.min() and out.max() <= 1
 
 
@@ -98,8 +98,49 @@ def test_every_op_runs(op_id: int, channels: int) -> None:
             assert not torch.allclose(out, x)
 
 
-def test_cutout_fills_grey() -> None:
-    x = torch.zeros(16, 1, 32, 32)
-    out = strong_augment(x, generator(3), flip=False, num_ops=0, cutout=0.5)
-    grey = (out == 0.5).flatten(1).sum(1)
-    assert (grey > 0).all() and (grey <= 16 * 16).all()
+def test_cutout_is_one_fixed_grey_square_clipped_only_at_the_far_border() -> None:
+    # RandAugmentMC's CutoutAbs: 16 px at 32x32, 7 px at 28x28; the corner is moved inside the
+    # image, so only the far border can clip the square
+    assert default_cutout(32) == 16 and default_cutout(28) == 7
+    for size, side in ((32, 16), (28, 7)):
+        x = torch.zeros(64, 1, size, size)
+        out = strong_augment(x, generator(3), flip=False, num_ops=0)
+        grey = out == 127.0 / 255.0
+        assert (grey.sum(dim=(1, 2, 3)) > 0).all() and (grey.sum(dim=(1, 2, 3)) <= side * side).all()
+        rows, cols = grey.any(dim=3).squeeze(1), grey.any(dim=2).squeeze(1)
+        heights, widths = rows.sum(1), cols.sum(1)
+        first_row = rows.float().argmax(1)
+        # a square that does not touch the bottom edge is full height
+        inside = first_row + side <= size
+        assert (heights[inside] == side).all() and (widths.max() == side)
+        assert (heights >= 1).all()
+
+
+def test_magnitudes_are_integers_below_m_and_each_op_is_applied_half_the_time() -> None:
+    # RandAugmentMC: v = randint(1, m), i.e. 1..m-1, and each drawn op applies with probability 0.5
+    ops, levels, signs, applied = sample_ops(20_000, generator(0, "mc"), num_ops=2, magnitude=10)
+    mags = levels * 10
+    assert torch.allclose(mags, mags.round()) and mags.min() == 1 and mags.max() == 9
+    assert abs(float(applied.float().mean()) - 0.5) < 0.02
+    assert set(ops.unique().tolist()) == set(range(len(OP_NAMES)))
+    _, _, _, always = sample_ops(100, generator(0, "mc"), op_prob=1.0)
+    assert always.all()
+
+
+def test_op_prob_zero_leaves_only_the_weak_view_and_the_cutout() -> None:
+    x = batch(32, 1, 28)
+    out, ops = strong_augment(x, generator(4), flip=False, op_prob=0.0, cutout=0, return_ops=True)
+    assert (ops == -1).all()
+    assert torch.equal(out, weak_augment(x, generator(4), flip=False).clamp(0, 1))
+
+
+def test_the_default_strong_view_is_randaugment_mc() -> None:
+    # defaults: 2 ops, each applied half the time (a quarter of the samples get no op at all),
+    # magnitudes 1..9, and the fixed 7 px cutout at 28x28
+    x = torch.zeros(4000, 1, 28, 28)
+    out, ops = strong_augment(x, generator(6), flip=False, return_ops=True)
+    applied = ops >= 0
+    assert abs(float(applied.float().mean()) - 0.5) < 0.03
+    assert abs(float((~applied).all(dim=1).float().mean()) - 0.25) < 0.03
+    grey = (out == 127.0 / 255.0).sum(dim=(1, 2, 3))
+    assert int(grey.max()) == 7 * 7

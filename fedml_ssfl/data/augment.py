@@ -6,9 +6,17 @@ drawn on the CPU from the ``torch.Generator`` passed in, then moved to the input
 same generator state gives the same output on any device (up to floating-point differences of
 the device's kernels).
 
-Strong augmentation follows FixMatch's RandAugmentMC: weak augmentation, then ``num_ops`` ops per
-sample from :data:`OP_NAMES`, each with its own magnitude uniform in ``[1, magnitude]`` (out of
-10), then cutout filled with 0.5 grey.
+Strong augmentation follows FixMatch's RandAugmentMC, the strong view of the SSFL benchmark
+authors' code (ALGORITHMS.md section 1): weak augmentation, then ``num_ops`` ops per sample drawn
+from :data:`OP_NAMES` with replacement, each applied with probability ``op_prob`` (0.5) at an
+integer magnitude ``v`` uniform in ``[1, magnitude)`` (numpy's ``randint(1, m)``: 1..9 of 10),
+then a cutout square of a fixed side (16 px at 32x32, 7 px at 28x28) filled with grey.
+
+Deviations from RandAugmentMC (PIL on one image at a time), all small:
+
+* ops run on float tensors, batched; Equalize approximates PIL's table (see :func:`_equalize`);
+* geometric ops sample bilinearly (PIL: nearest) and fill with black like PIL's defaults;
+* the cutout square is placed by an integer centre (PIL: a float corner), same side and clipping.
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ _MAX_LEVEL = 10.0
 _MAX_ROTATE_DEG = 30.0
 _MAX_SHEAR = 0.3
 _MAX_TRANSLATE = 0.3  # fraction of the image size
-_MAX_ENHANCE = 0.9  # enhancement factor in [0.1, 1.9]
-_GREY = 0.5
+_ENHANCE_MAX, _ENHANCE_BIAS = 0.9, 0.05  # RandAugmentMC: factor 0.05 + 0.9 v / 10, in [0.14, 0.86]
+_GREY = 127.0 / 255.0  # RandAugmentMC's cutout colour (127, 127, 127)
+_FILL = 0.0  # what PIL's rotate / affine transform put outside the image
 
 
 def to_float(x: torch.Tensor) -> torch.Tensor:
@@ -125,9 +134,7 @@ def shift_crop(x: torch.Tensor, pad: int, offsets: torch.Tensor) -> torch.Tensor
     return out.permute(0, 3, 1, 2).contiguous()
 
 
-def weak_augment(
-    x: torch.Tensor, generator: torch.Generator, *, flip: bool, pad: int | None = None
-) -> torch.Tensor:
+def weak_augment(x: torch.Tensor, generator: torch.Generator, *, flip: bool, pad: int | None = None) -> torch.Tensor:
     """Weak augmentation alpha(): random horizontal flip then a random pad-and-crop shift.
 
     Parameters
@@ -178,7 +185,8 @@ def _blend(x: torch.Tensor, base: torch.Tensor, factor: torch.Tensor) -> torch.T
 
 
 def _enhance_factor(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    return 1.0 + sign * _MAX_ENHANCE * level
+    """RandAugmentMC's enhancement factor ``0.05 + 0.9 level`` (no direction: always below 1)."""
+    return _ENHANCE_BIAS + _ENHANCE_MAX * level
 
 
 def _identity(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
@@ -225,7 +233,8 @@ def _equalize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch
 
 
 def _posterize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    bits = 8 - torch.round(level * 4.0).long()  # 8 (no change) .. 4 bits
+    """RandAugmentMC: keep ``4 + int(4 level)`` bits (4 bits at magnitude 1-2, 7 at 8-9)."""
+    bits = 4 + torch.floor(level * 4.0 + 1e-6).long()
     shift = _per_sample(8 - bits)
     q = (x * 255.0).round().long()
     return ((q >> shift) << shift).to(x.dtype) / 255.0
@@ -248,9 +257,9 @@ def _sharpness(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torc
 
 
 def _affine(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """Warp by per-sample 2x3 matrices (output -> input, normalised coords); outside is 0.5 grey."""
+    """Warp by per-sample 2x3 matrices (output -> input, normalised coords); outside is black (PIL)."""
     grid = F.affine_grid(theta.to(x.device, x.dtype), list(x.shape), align_corners=False)
-    return F.grid_sample(x - _GREY, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + _GREY
+    return F.grid_sample(x - _FILL, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + _FILL
 
 
 def _eye(m: int) -> torch.Tensor:
@@ -343,9 +352,9 @@ def apply_op(x: torch.Tensor, op_id: int, level: torch.Tensor, sign: torch.Tenso
 
 
 def sample_ops(
-    n: int, generator: torch.Generator, num_ops: int = 2, magnitude: int = 10
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draw each sample's RandAugment ops and their parameters (on the CPU).
+    n: int, generator: torch.Generator, num_ops: int = 2, magnitude: int = 10, op_prob: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw each sample's RandAugmentMC ops and their parameters (on the CPU).
 
     Parameters
     ----------
@@ -354,9 +363,12 @@ def sample_ops(
     generator : torch.Generator
         CPU generator.
     num_ops : int
-        Ops per sample.
+        Ops per sample (drawn with replacement).
     magnitude : int
-        Maximum magnitude out of 10; each op's magnitude is uniform in ``[1, magnitude]``.
+        RandAugment M out of 10: each op's magnitude is an integer uniform in ``[1, M)``
+        (numpy's ``randint(1, M)``, as RandAugmentMC draws it; 1 for ``M <= 2``).
+    op_prob : float
+        Probability that a drawn op is applied (RandAugmentMC: 0.5).
 
     Returns
     -------
@@ -365,18 +377,26 @@ def sample_ops(
     levels : torch.Tensor
         float32 ``(n, num_ops)``: magnitude / 10.
     signs : torch.Tensor
-        float32 ``(n, num_ops)`` of +1 / -1.
+        float32 ``(n, num_ops)`` of +1 / -1 (the direction of geometric ops).
+    applied : torch.Tensor
+        bool ``(n, num_ops)``: whether each drawn op is applied.
     """
     ops = torch.randint(0, len(OP_NAMES), (n, num_ops), generator=generator)
-    mags = 1.0 + torch.rand(n, num_ops, generator=generator) * (max(float(magnitude), 1.0) - 1.0)
+    mags = torch.randint(1, max(int(magnitude), 2), (n, num_ops), generator=generator).float()
     signs = torch.where(torch.rand(n, num_ops, generator=generator) < 0.5, -1.0, 1.0)
-    return ops, mags / _MAX_LEVEL, signs
+    applied = torch.rand(n, num_ops, generator=generator) < op_prob
+    return ops, mags / _MAX_LEVEL, signs, applied
 
 
-def apply_cutout(
-    x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fill: float = _GREY
-) -> torch.Tensor:
-    """Fill one square per sample with ``fill``, clipped at the image border.
+def default_cutout(height: int) -> int:
+    """The cutout side in pixels for ``height``-pixel images: RandAugmentMC's 16 at 32x32 (H / 2),
+    the SSFL benchmark authors' 7 at 28x28 (H / 4); H / 2 from 32 up, H / 4 below."""
+    return height // 2 if height >= 32 else height // 4
+
+
+def apply_cutout(x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fill: float = _GREY) -> torch.Tensor:
+    """Fill one square per sample with ``fill``: corner at ``centre - side // 2`` (at least 0), clipped
+    at the far border.
 
     Parameters
     ----------
@@ -396,8 +416,8 @@ def apply_cutout(
     """
     _, _, h, w = x.shape
     sides, centres = sides.to(x.device), centres.to(x.device)
-    top = centres[:, 0] - sides // 2
-    left = centres[:, 1] - sides // 2
+    top = (centres[:, 0] - sides // 2).clamp_min(0)  # RandAugmentMC's CutoutAbs: corner clipped at 0,
+    left = (centres[:, 1] - sides // 2).clamp_min(0)  # the far side at the border
     rows = torch.arange(h, device=x.device).view(1, h)
     cols = torch.arange(w, device=x.device).view(1, w)
     in_rows = (rows >= top[:, None]) & (rows < (top + sides)[:, None])  # (N, H)
@@ -406,14 +426,9 @@ def apply_cutout(
     return x.masked_fill(mask, fill)
 
 
-def _sample_cutout(
-    n: int, h: int, w: int, size: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cutout sides uniform in ``[1, size * H]`` and uniform centres (all drawn on the CPU)."""
-    max_side = size * h
-    sides = (1.0 + torch.rand(n, generator=generator) * max(max_side - 1.0, 0.0)).round().long()
-    if size <= 0:
-        sides = torch.zeros(n, dtype=torch.long)
+def _sample_cutout(n: int, h: int, w: int, side: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed ``side`` per sample and uniform integer centres (all drawn on the CPU)."""
+    sides = torch.full((n,), max(int(side), 0), dtype=torch.long)
     centres = torch.stack(
         [torch.randint(0, h, (n,), generator=generator), torch.randint(0, w, (n,), generator=generator)],
         dim=1,
@@ -428,16 +443,18 @@ def strong_augment(
     flip: bool,
     num_ops: int = 2,
     magnitude: int = 10,
-    cutout: float = 0.5,
+    op_prob: float = 0.5,
+    cutout: int | None = None,
     pad: int | None = None,
     return_ops: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Strong augmentation A(): weak augmentation, RandAugment, then cutout (FixMatch's RandAugmentMC).
+    """Strong augmentation A(): weak augmentation, RandAugmentMC, then a fixed cutout.
 
-    Each sample draws ``num_ops`` ops from :data:`OP_NAMES` (with replacement), each with its own
-    magnitude uniform in ``[1, magnitude]`` out of 10 and a random direction; the batch is processed
-    op type by op type, each op applied at once to the samples that drew it. Then a grey (0.5)
-    square of side uniform in ``[1, cutout * H]`` is cut out at a uniform random centre.
+    Each sample draws ``num_ops`` ops from :data:`OP_NAMES` (with replacement); each drawn op is
+    applied with probability ``op_prob`` at an integer magnitude uniform in ``[1, magnitude)``
+    (out of 10) with a random direction; the batch is processed op type by op type, each op
+    applied at once to the samples that drew it. Then a grey (127/255) square of side ``cutout``
+    pixels is cut out around a uniform random centre, clipped at the border.
 
     Parameters
     ----------
@@ -450,13 +467,15 @@ def strong_augment(
     num_ops : int
         RandAugment N (ops per sample).
     magnitude : int
-        RandAugment M (maximum magnitude, out of 10).
-    cutout : float
-        Maximum cutout side as a fraction of H; 0 disables cutout.
+        RandAugment M (magnitudes are drawn below it, out of 10).
+    op_prob : float
+        Probability of applying each drawn op (0.5; 1 applies every op).
+    cutout : int, optional
+        Cutout side in pixels; default :func:`default_cutout` of H; 0 disables cutout.
     pad : int, optional
         Shift range of the weak stage (default ``H // 8``).
     return_ops : bool
-        Also return the op ids each sample drew.
+        Also return the op ids each sample drew (-1 where the op was not applied).
 
     Returns
     -------
@@ -465,15 +484,16 @@ def strong_augment(
     """
     n, _, h, w = x.shape
     x = weak_augment(x, generator, flip=flip, pad=pad)
-    ops, levels, signs = sample_ops(n, generator, num_ops, magnitude)
-    sides, centres = _sample_cutout(n, h, w, cutout, generator)
+    ops, levels, signs, applied = sample_ops(n, generator, num_ops, magnitude, op_prob)
+    side = default_cutout(h) if cutout is None else cutout
+    sides, centres = _sample_cutout(n, h, w, side, generator)
     x = x.clone()
     for slot in range(num_ops):
         for op_id in torch.unique(ops[:, slot]).tolist():
-            sel = ops[:, slot] == op_id
-            if OP_NAMES[op_id] == "Identity":
+            sel = (ops[:, slot] == op_id) & applied[:, slot]
+            if OP_NAMES[op_id] == "Identity" or not bool(sel.any()):
                 continue
             dev_sel = sel.to(x.device)
             x[dev_sel] = apply_op(x[dev_sel], op_id, levels[sel, slot], signs[sel, slot])
-    out = apply_cutout(x, sides, centres).clamp_(0.0, 1.0)
-    return (out, ops) if return_ops else out
+    out = apply_cutout(x, sides, centres).clamp_(0.0, 1.0) if side > 0 else x.clamp_(0.0, 1.0)
+    return (out, torch.where(applied, ops, -1)) if return_ops else out
