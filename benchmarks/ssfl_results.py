@@ -1,171 +1,155 @@
-"""Accuracy, traffic and speed of every algorithm on MNIST-5k, in both label scenarios.
+"""Accuracy, pseudo-label flow, traffic and speed of every algorithm on MNIST-5k, over seeds.
 
-Runs each algorithm (default: every registered one, each in the label scenarios it supports) on
-the default main job's data (MNIST-5k, 10 clients, cnn28-gn): labels-at-server with 50 server
-labels, labels-at-client with 5 labels per class per client (500 in all) and none on the server.
-Traffic is also given relative to dense FedAvg (every sampled client receiving and sending one
-full model), as FedMatch's Table 1 reports it. It writes
+Each row is a shipped config under ``configs/mnist5k/`` (plus, for a few variant rows, overrides
+named in the row), run with the local simulator for every seed (default 0, 1, 2; the seed also
+draws the split, so the 50 server labels differ between seeds). Per row the page gives the mean
+and standard deviation of the final and best test accuracy, and beside them the clients' mean
+pseudo-label mask rate and pseudo-label accuracy over the run, so a reader sees whether the
+semi-supervised part ran. Traffic is relative to dense FedAvg (every sampled client receiving and
+sending one full model), as FedMatch's Table 1 reports it. It writes
 
-* ``benchmarks/results/ssfl_results.json``: the figures, with machine and settings;
-* ``docs/results.md``: the table (regenerated wholesale; hand-written notes live in the
-  ``NOTES`` text below so they survive reruns).
+* ``benchmarks/results/ssfl_results.json``: every run's figures, with machine and settings;
+* ``docs/results.md``: the table (regenerated wholesale; the measured notes live in
+  ``docs/results_notes.md`` and are appended as they are).
 
 Usage::
 
-    python benchmarks/ssfl_results.py                       # all, default settings
-    python benchmarks/ssfl_results.py --algorithms server_only fedavg_ssl --set train_args.comm_round=10
-    python benchmarks/ssfl_results.py --algorithms fedmatch --rows "3e-3"   # one row, the others kept
+    python benchmarks/ssfl_results.py                           # every row, seeds 0 1 2, 2 processes
+    python benchmarks/ssfl_results.py --rows fedmatch --seeds 0 # rows whose name contains "fedmatch"
+    python benchmarks/ssfl_results.py --render-only             # rewrite the page from the JSON
+    python benchmarks/ssfl_results.py --json /tmp/t.json --doc /tmp/t.md \
+        --row "lr 0.1=fedmatch.yaml:train_args.learning_rate=0.1"  # an ad-hoc row (tuning)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedml_ssfl.algorithms import available_algorithms, get_algorithm  # noqa: E402
-from fedml_ssfl.config import load_config  # noqa: E402
-from fedml_ssfl.runtime.local import run_local  # noqa: E402
+CONFIGS = ROOT / "configs" / "mnist5k"
 
-MAIN_JOB = ROOT / "fedml_ssfl" / "configs" / "default_job.yaml"
 
-# labels-at-client: 5 labels per class on each client (FedMatch's setting), no server labels
-CLIENT = ["data_args.label_scenario=client", "data_args.labels_per_class_client=5", "data_args.num_server_labels=0"]
+@dataclass(frozen=True)
+class Row:
+    """One table row: a config, optional overrides, the label scenario and the row's group."""
 
-# Variants worth a row of their own: algorithm -> [(row name, overrides, base config or None)].
-# An algorithm without an entry gets one row per label scenario it supports.
-VARIANTS = {
-    "fedavg_ssl": [
-        ("fedavg_ssl (CRL, GN, FedAvg)", [], None),
-        ("fedavg_ssl (CRL, GN, grouping S=2)", ["ssfl_args.averaging=grouping"], None),
-        ("fedavg_ssl (self-training, GN, FedAvg)", ["ssfl_args.user_loss=self_training"], None),
-    ],
-    "semifl": [
-        ("semifl (paper defaults: tau 0.95, server steps = T)", [], None),
-        ("semifl (the main job: BN, tau 0.9, 100 server steps, lr 0.1, 20 rounds)", [], MAIN_JOB),
-    ],
-    "fedseal": [
-        ("fedseal (paper defaults; + 100-sample server validation set)", ["data_args.num_server_val=100"], None)
-    ],
-    # lambda_s = 10 multiplies the supervised step: lr 0.003 gives sigma the other rows' 0.03
-    "fedmatch": [
-        ("fedmatch (lr 0.003)", ["train_args.learning_rate=0.003"], None),
-        ("fedmatch (labels-at-client, lr 0.003)", [*CLIENT, "train_args.learning_rate=0.003"], None),
-        (
-            "fedmatch (labels-at-client, lr 0.003, sparsity threshold 3e-3)",
-            [*CLIENT, "train_args.learning_rate=0.003", "ssfl_args.c2s_threshold=0.003"],
-            None,
-        ),
-    ],
-    "fedsiam": [
-        ("fedsiam-D", [], None),
-        ("fedsiam-Pi (labels-at-client)", [*CLIENT, "ssfl_args.variant=pi"], None),
-        ("fedsiam-MT (labels-at-client)", [*CLIENT, "ssfl_args.variant=mt"], None),
-        ("fedsiam-D (labels-at-client)", [*CLIENT, "ssfl_args.variant=d"], None),
-        # alpha 0.999 averages over ~1,000 steps, longer than this whole 480-step run: a faster target
-        (
-            "fedsiam-D (labels-at-client, alpha_max 0.99)",
-            [*CLIENT, "ssfl_args.variant=d", "ssfl_args.alpha_max=0.99"],
-            None,
-        ),
-    ],
-}
+    name: str
+    config: str
+    overrides: tuple[str, ...] = field(default_factory=tuple)
 
-# The table's order: bounds, the five papers' methods, then the naive baselines
-ORDER = [
-    "server_only",
-    "fedavg_sl",
-    "fedavg_ssl",
-    "semifl",
-    "fedseal",
-    "fedmatch",
-    "fedsiam",
-    "fedavg_fixmatch",
-    "fedprox_fixmatch",
-    "fedavg_uda",
-    "fedprox_uda",
-    "local_sl",
-    "local_fixmatch",
-    "local_uda",
+
+# The table's order: bounds, the five papers' methods, then the naive baselines.
+ROWS = [
+    Row("server_only", "server_only.yaml"),
+    Row("fedavg_sl (upper bound: every client sample labeled)", "fedavg_sl.yaml"),
+    Row("fedavg_ssl (CRL, GN, FedAvg; paper defaults, 30 rounds)", "fedavg_ssl.yaml"),
+    Row("fedavg_ssl (CRL, GN, grouping S=2; paper defaults, 30 rounds)", "fedavg_ssl_grouping.yaml"),
+    Row("fedavg_ssl (CRL, GN, FedAvg; bootstrapped from server-only)", "fedavg_ssl_bootstrap.yaml"),
+    Row("semifl (the main job)", "semifl.yaml"),
+    Row("fedseal", "fedseal.yaml"),
+    Row("fedmatch", "fedmatch.yaml"),
+    Row(
+        "fedmatch (control: Phi off, lambda_a = lambda_i = 0)",
+        "fedmatch.yaml",
+        ("ssfl_args.lambda_a=0", "ssfl_args.lambda_i=0"),
+    ),
+    Row("fedmatch (labels-at-client)", "fedmatch_client.yaml"),
+    Row("fedsiam", "fedsiam.yaml"),
+    Row("fedsiam (labels-at-client)", "fedsiam_client.yaml"),
+    Row("fedavg_fixmatch", "fedavg_fixmatch.yaml"),
+    Row("fedprox_fixmatch", "fedprox_fixmatch.yaml"),
+    Row("fedavg_uda", "fedavg_uda.yaml"),
+    Row("fedprox_uda", "fedprox_uda.yaml"),
+    Row("fedavg_fixmatch (labels-at-client)", "fedavg_fixmatch_client.yaml"),
+    Row("fedprox_fixmatch (labels-at-client)", "fedprox_fixmatch_client.yaml"),
+    Row("fedavg_uda (labels-at-client)", "fedavg_uda_client.yaml"),
+    Row("fedprox_uda (labels-at-client)", "fedprox_uda_client.yaml"),
+    Row("local_sl (labels-at-client; every client sample labeled)", "local_sl_client.yaml"),
+    Row("local_fixmatch (labels-at-client)", "local_fixmatch_client.yaml"),
+    Row("local_uda (labels-at-client)", "local_uda_client.yaml"),
 ]
 
-NOTES = """\
-## Notes
 
-* The SSFL benchmark's CRL from scratch does not beat server-only on MNIST-5k with 50 labels: the
-  clients' pseudo-labels only pass the 0.95 threshold once the model is already good, and until then
-  the clients' (nearly unchanged) models pull the average back toward the previous round's weights.
-  This is the failure the FedSEAL and SemiFL papers describe for naive FedAvg + consistency; it is a
-  finding, reported as measured. CRL and self-training end identical here because no client sample
-  ever passed tau = 0.95 (client mask rate 0 every round), so both losses were zero throughout;
-  grouping helps because each group's average gives the server model a larger share (Eq. 7).
-* SemiFL with the paper's threshold 0.95 and T server steps on this small GroupNorm CNN: the global
-  model almost never reaches 95% confidence, so nearly every client's fix set is empty and sends
-  nothing; the run is the server's fine-tuning alone. The main job's settings (BatchNorm with static
-  statistics, threshold 0.9, 100 server steps a round, lr 0.1) reach about 89%; its server-only
-  comparison, trained with the same train_args on the same split, stays near 72% (given SemiFL's
-  100 server steps a round and lr 0.1 it ends at 68%, best 73%: the gain comes from the clients).
-* FedSEAL needs a server validation set for its class-wise thresholds (Eq. 5); its row moves 100
-  samples from the clients to the server for that (150 server labels in all, 50 for training).
-* The naive FL + SSL baselines in labels-at-server (FedAvg / FedProx x FixMatch / UDA) end exactly where
-  `fedavg_ssl` CRL ends, 39.3%: no client sample ever passes FixMatch's 0.95 or UDA's 0.8 confidence
-  mask (client mask rate 0 in every round), so the clients return the global model moved only by weight
-  decay and pull the average back. FedMatch's Table 1 reports the same collapse for these baselines in
-  labels-at-server (9-28% on CIFAR-10). In labels-at-client they reach 86-88%, close to the fully labeled
-  `fedavg_sl` (90.3%), because each client's 50 labels drive its update; UDA's mask rate climbs to ~50%.
-* FedMatch: 90.1% in labels-at-client (the best semi-supervised row, next to `fedavg_sl`), 63.0% in
-  labels-at-server (below `server_only`: only psi learns at the clients, and with lambda_s = 10 the
-  server's sigma steps need lr 0.003, a tenth of the other rows'). Traffic at the paper's thresholds
-  (5e-5 / 1e-5): every delta of this 24k-parameter CNN is dense, so C2S is 200% of FedAvg with labels at
-  the clients (sigma and psi) and 100% at the server (psi only), S2C 200% (213% with helper rounds).
-  Eq. 5's lambda_L2 = 10 pulls psi onto sigma, so psi stays dense (density 1.0) and the hard threshold
-  removes nothing. With a threshold of 3e-3 the sparse messages show their effect: C2S falls from 200% to
-  12% of FedAvg by the last round and S2C to under 1% (averages in the table), at 85.9% accuracy.
-  With the paper's own model and rate (ResNet-9, lr 1e-3, paper thresholds; synthetic 32x32 data,
-  `benchmarks/fedmatch_communication.py`, 10 rounds) C2S drops from 200% to 131-153% of FedAvg's bytes
-  (115-123% counted in values, the authors' measure; each sparse value carries an 8-byte index) and S2C
-  to 121-135%: savings start, far from the paper's 46% after 200 rounds on CIFAR-10.
-* FedSiam labels-at-client: Pi 86.7% (uploads the target only: 100%), MT 85.3% (online and target:
-  200%), D 74.8% (between: 160% up, the online layers whose FSM passes the boundary). D peaks at 80.8%
-  (round 18) and then falls as tau shrinks and the server fills the missing online layers from the
-  clients' targets: with alpha = 0.999 the target averages over ~1,000 steps, longer than this whole
-  480-step run, so those layers lag. With alpha_max 0.99 (a ~100-step average) D ends at 81.3% with no
-  late drop, still below Pi and MT in a run this short. FedSiam-D in labels-at-server: 62.0% (the paper
-  evaluates only Pi and MT there).
-* The local-only baselines' accuracy is the mean over the 10 clients' own models (no model is shared;
-  S2C is the initial model sent once). local_sl (each client's own data fully labeled) 84.2%;
-  local_fixmatch 66.9% and local_uda 67.6% from 50 labels each: sharing (the fed rows) adds ~20 points.
-* `fedavg_sl` is the upper bound (clients hold all their labels); `server_only` the lower bound.
-* Seconds per round are wall-clock on the machine named above, with other work sharing its cores at
-  times; compare rows of one table, not across tables.
-"""
+def parse_row(spec: str) -> Row:
+    """``NAME=CONFIG[:OVERRIDE,OVERRIDE...]`` -> :class:`Row`."""
+    name, _, rest = spec.partition("=")
+    config, _, overrides = rest.partition(":")
+    if not name or not config:
+        raise SystemExit(f"ssfl_results: --row {spec!r} is not NAME=CONFIG[:OVERRIDE,...]")
+    return Row(name, config, tuple(o for o in overrides.split(",") if o))
 
 
 def machine() -> str:
+    import torch
+
     return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-        f"({torch.get_num_threads()} torch thread), torch {torch.__version__}"
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 torch thread per run, "
+        f"torch {torch.__version__}"
     )
 
 
-def default_variants(name: str) -> list[tuple[str, list[str], None]]:
-    """One row per label scenario the algorithm supports."""
-    scenarios = get_algorithm(name).label_scenarios
-    out = []
-    if "server" in scenarios:
-        out.append((name, [], None))
-    if "client" in scenarios:
-        out.append((f"{name} (labels-at-client)", CLIENT, None))
-    return out
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return sum(values) / len(values) if values else None
+
+
+def run_one(row: Row, seed: int, out_dir: str) -> dict:
+    """Run one (row, seed) in this process; return its figures."""
+    import torch
+
+    torch.set_num_threads(1)
+    from fedml_ssfl.config import load_config
+    from fedml_ssfl.runtime.local import run_local
+
+    base = [
+        "common_args.compare_with=[]",
+        "tracking_args.progress_bar=false",
+        "tracking_args.enable_tensorboard=false",
+        f"common_args.output_dir={out_dir}",
+        f"common_args.random_seed={seed}",
+    ]
+    cfg = load_config(CONFIGS / row.config, [*base, *row.overrides])
+    slug = "".join(c if c.isalnum() else "_" for c in row.name)[:80]
+    t0 = time.perf_counter()
+    res = run_local(cfg, run_dir=Path(out_dir) / f"{slug}-s{seed}")
+    metrics = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    s = res.summary
+    return {
+        "row": row.name,
+        "seed": seed,
+        "config": f"configs/mnist5k/{row.config}",
+        "overrides": list(row.overrides),
+        "algorithm": cfg.algorithm,
+        "labels": cfg.data_args.label_scenario,
+        "final_acc": res.final_acc,
+        "best_acc": res.best_acc,
+        "mask_rate": _mean_of(metrics, "client_mask_rate"),
+        "pseudo_acc": _mean_of(metrics, "client_pseudo_acc"),
+        "last_mask_rate": metrics[-1].get("client_mask_rate") if metrics else None,
+        "bytes_up_per_round": s["bytes_up_per_round"],
+        "bytes_down_per_round": s["bytes_down_per_round"],
+        "dense_round_bytes": dense_round_bytes(cfg),
+        "seconds_per_round": s["seconds_per_round"],
+        "rounds": s["rounds_completed"],
+        "wall_seconds": time.perf_counter() - t0,
+        "settings": (
+            f"{cfg.model_args.model}-{cfg.model_args.norm}, K={cfg.train_args.client_num_in_total}, "
+            f"C_k={cfg.train_args.client_num_per_round}, {cfg.train_args.comm_round} rounds of "
+            f"T={cfg.train_args.local_steps}"
+        ),
+    }
 
 
 def dense_round_bytes(cfg) -> int:
@@ -178,100 +162,137 @@ def dense_round_bytes(cfg) -> int:
     return cfg.train_args.client_num_per_round * message_nbytes(Message(weights=cpu_state(model)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--algorithms", nargs="*", help="algorithms to run (default: all)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override")
-    parser.add_argument("--out-dir", default="/tmp/fedml_ssfl_results", help="where the runs go")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--rows", nargs="*", help="run only the rows whose name contains one of these strings")
-    parser.add_argument("--render-only", action="store_true", help="rewrite the page from the JSON, run nothing")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "results.md"))
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "ssfl_results.json"))
-    args = parser.parse_args(argv)
-    if args.render_only:
-        data = json.loads(Path(args.json).read_text())
-        Path(args.doc).write_text(render(data, data["rows"]))
-        return 0
-    torch.set_num_threads(args.threads)
-    names = args.algorithms or available_algorithms()
-    base = ["common_args.compare_with=[]", "tracking_args.progress_bar=false", f"common_args.output_dir={args.out_dir}"]
-    rows = []
-    for name in names:
-        for label, extra, config in VARIANTS.get(name, default_variants(name)):
-            if args.rows and not any(part in label for part in args.rows):
-                continue
-            algo = [] if config else [f"ssfl_args.algorithm={name}"]
-            cfg = load_config(config, [*base, *algo, *extra, *args.overrides])
-            cfg.common_args.run_name = label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
-            t0 = time.perf_counter()
-            res = run_local(cfg)
-            s = res.summary
-            rows.append(
-                {
-                    "row": label,
-                    "algorithm": name,
-                    "overrides": extra + args.overrides,
-                    "final_acc": res.final_acc,
-                    "best_acc": res.best_acc,
-                    "bytes_up_per_round": s["bytes_up_per_round"],
-                    "bytes_down_per_round": s["bytes_down_per_round"],
-                    "seconds_per_round": s["seconds_per_round"],
-                    "labels": cfg.data_args.label_scenario,
-                    "dense_round_bytes": dense_round_bytes(cfg),
-                    "wall_seconds": time.perf_counter() - t0,
-                    "rounds": s["rounds_completed"],
-                }
-            )
-            print(f"{label}: {100 * res.final_acc:.2f}% in {rows[-1]['wall_seconds']:.0f} s", flush=True)
-    cfg = load_config(None, args.overrides)
-    meta = {
-        "machine": machine(),
-        "date": time.strftime("%Y-%m-%d"),
-        "settings": f"{cfg.data_args.dataset}, {cfg.data_args.num_server_labels} server labels, "
-        f"K={cfg.train_args.client_num_in_total}, C_k={cfg.train_args.client_num_per_round}, "
-        f"{cfg.train_args.comm_round} rounds of T={cfg.train_args.local_steps}, "
-        f"{cfg.model_args.model}-{cfg.model_args.norm}, seed {cfg.common_args.random_seed}",
-    }
-    previous = Path(args.json)
-    if previous.is_file() and args.algorithms:  # keep the rows of algorithms not rerun this time
-        rerun = {r["row"] for r in rows}
-        kept = [r for r in json.loads(previous.read_text())["rows"] if r["row"] not in rerun]
-        rows = kept + rows
-    rows.sort(key=lambda r: ORDER.index(r["algorithm"]) if r["algorithm"] in ORDER else len(ORDER))  # stable
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    Path(args.doc).write_text(render(meta, rows))
-    print(f"wrote {args.doc} and {args.json}")
-    return 0
+def _pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    if not values:
+        return ""
+    mean = scale * statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {scale * statistics.stdev(values):.{digits}f}"
 
 
-def render(meta: dict, rows: list[dict]) -> str:
+def summarize(runs: list[dict]) -> list[dict]:
+    """Group runs by row (in ROWS order, unknown rows last) into mean / std figures."""
+    order = {r.name: i for i, r in enumerate(ROWS)}
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r["row"], []).append(r)
+    out = []
+    for name in sorted(groups, key=lambda n: order.get(n, len(order))):
+        g = sorted(groups[name], key=lambda r: r["seed"])
+        dense = g[0].get("dense_round_bytes") or 0
+
+        def vals(key: str, g: list[dict] = g) -> list[float]:
+            return [r[key] for r in g if isinstance(r.get(key), (int, float))]
+
+        out.append(
+            {
+                "row": name,
+                "config": g[0]["config"]
+                + (" " + " ".join(f"--set {o}" for o in g[0]["overrides"]) if g[0]["overrides"] else ""),
+                "labels": g[0]["labels"],
+                "seeds": [r["seed"] for r in g],
+                "final": vals("final_acc"),
+                "best": vals("best_acc"),
+                "mask_rate": vals("mask_rate"),
+                "pseudo_acc": vals("pseudo_acc"),
+                "c2s": statistics.fmean(vals("bytes_up_per_round")) / dense if dense else None,
+                "s2c": statistics.fmean(vals("bytes_down_per_round")) / dense if dense else None,
+                "seconds_per_round": statistics.fmean(vals("seconds_per_round")),
+                "settings": g[0].get("settings", ""),
+            }
+        )
+    return out
+
+
+def render(meta: dict, runs: list[dict], notes: str) -> str:
+    rows = summarize(runs)
     lines = [
         "# Results on the shipped data",
         "",
-        "Produced by `python benchmarks/ssfl_results.py` (rerun it to regenerate this page; figures in",
-        "`benchmarks/results/ssfl_results.json`).",
+        "Produced by `python benchmarks/ssfl_results.py` (rerun it to regenerate this page; every run's",
+        "figures are in `benchmarks/results/ssfl_results.json`, the notes below come from",
+        "`docs/results_notes.md`).",
         "",
-        f"Settings: {meta['settings']}. Machine: {meta['machine']}. Date: {meta['date']}.",
+        f"Data: MNIST-5k (4,000 training / 1,000 test images). Machine: {meta['machine']}. Date: {meta['date']}.",
+        "Each row is one shipped config, run once per seed (the seed also draws the split: which 50 images the",
+        "server labels, which client holds what); accuracy is the mean ± standard deviation over the seeds.",
+        "Labels-at-server: 50 labels on the server, clients unlabeled. Labels-at-client: 5 labels per class on",
+        "each client (500 in all), none on the server. `mask rate`: the share of the clients' unlabeled samples",
+        "that carried a pseudo-label into the loss (mean over rounds and clients); `PL acc`: the accuracy of",
+        "those pseudo-labels against the hidden labels (diagnostics only). Traffic: bytes over C_k dense models",
+        "per round each way (C2S = up, S2C = down), as in FedMatch's Table 1. Seconds per round are wall-clock",
+        "with two runs sharing the two cores: compare within this table only.",
         "",
-        "Labels-at-server rows: 50 labels on the server. Labels-at-client rows: 5 labels per class on each",
-        "client (500 in all), none on the server. Traffic relative to dense FedAvg: bytes over C_k full",
-        "models per round each way (C2S = up, S2C = down), as in FedMatch's Table 1.",
-        "",
-        "| method | labels at | final test acc | best test acc | KiB up / round | KiB down / round "
+        "| method | config | labels at | seeds | final test acc (%) | best test acc (%) | mask rate (%) | PL acc (%) "
         "| C2S vs FedAvg | S2C vs FedAvg | s / round |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        dense = r.get("dense_round_bytes")
-        rel = [f"{100 * r[k] / dense:.0f}%" if dense else "" for k in ("bytes_up_per_round", "bytes_down_per_round")]
+        rel = [f"{100 * r[k]:.0f}%" if r[k] is not None else "" for k in ("c2s", "s2c")]
         lines.append(
-            f"| {r['row']} | {r.get('labels', 'server')} | {100 * r['final_acc']:.2f}% | {100 * r['best_acc']:.2f}% | "
-            f"{r['bytes_up_per_round'] / 1024:,.0f} | {r['bytes_down_per_round'] / 1024:,.0f} | "
-            f"{rel[0]} | {rel[1]} | {r['seconds_per_round']:.2f} |"
+            f"| {r['row']} | `{r['config']}` | {r['labels']} | {len(r['seeds'])} | {_pm(r['final'])} | "
+            f"{_pm(r['best'])} | {_pm(r['mask_rate'])} | {_pm(r['pseudo_acc'])} | {rel[0]} | {rel[1]} | "
+            f"{r['seconds_per_round']:.2f} |"
         )
-    return "\n".join(lines) + "\n\n" + NOTES
+    settings = sorted({r["settings"] for r in rows if r["settings"]})
+    lines += ["", "Settings per config (model, clients, rounds): " + "; ".join(settings) + "."]
+    return "\n".join(lines) + "\n\n" + notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", nargs="*", help="run only the rows whose name contains one of these strings")
+    parser.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        metavar="NAME=CONFIG[:OVERRIDE,...]",
+        help="an ad-hoc row (a config under configs/mnist5k/ and overrides); runs only the ad-hoc rows",
+    )
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each (default 2)")
+    parser.add_argument("--out-dir", default="/tmp/fedml_ssfl_results", help="where the runs go")
+    parser.add_argument("--render-only", action="store_true", help="rewrite the page from the JSON, run nothing")
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "results.md"))
+    parser.add_argument("--notes", default=str(ROOT / "docs" / "results_notes.md"))
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "ssfl_results.json"))
+    args = parser.parse_args(argv)
+    path = Path(args.json)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    runs = data.get("runs", [])
+    notes = Path(args.notes).read_text() if Path(args.notes).is_file() else ""
+    if args.render_only:
+        Path(args.doc).write_text(render(data, runs, notes))
+        return 0
+    chosen = [r for r in ROWS if not args.rows or any(part in r.name for part in args.rows)]
+    if args.row:
+        chosen = [parse_row(spec) for spec in args.row]
+    missing = [r.config for r in chosen if not (CONFIGS / r.config).is_file()]
+    if missing:
+        print(f"ssfl_results: no config {', '.join(missing)} under {CONFIGS}", file=sys.stderr)
+        return 2
+    jobs = [(row, seed) for row in chosen for seed in args.seeds]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    done: list[dict] = []
+    with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        futures = {pool.submit(run_one, row, seed, args.out_dir): (row, seed) for row, seed in jobs}
+        for fut in as_completed(futures):
+            row, seed = futures[fut]
+            r = fut.result()
+            done.append(r)
+            acc, secs = 100 * r["final_acc"], r["wall_seconds"]
+            print(f"{row.name} seed {seed}: {acc:.1f}% (mask rate {r['mask_rate']}) in {secs:.0f} s", flush=True)
+            # keep what finished so far: a stopped sweep loses nothing
+            key = {(x["row"], x["seed"]) for x in done}
+            merged = [x for x in runs if (x["row"], x["seed"]) not in key] + done
+            meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**meta, "runs": merged}, indent=2) + "\n")
+    data = json.loads(path.read_text())
+    Path(args.doc).write_text(render(data, data["runs"], notes))
+    print(f"wrote {args.doc} and {args.json}")
+    return 0
 
 
 if __name__ == "__main__":

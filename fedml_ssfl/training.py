@@ -131,8 +131,14 @@ def supervised_steps(
     party: str,
     steps: int | None = None,
     augment: str = "weak",
+    loss_weight: float = 1.0,
 ) -> float:
-    """T steps of cross-entropy on labeled data (Zhang et al. Eq. 2); returns the mean loss."""
+    """T steps of cross-entropy on labeled data (Zhang et al. Eq. 2); returns the mean loss.
+
+    ``augment`` is ``weak`` (alpha(x)) or ``plain`` (the original images); ``loss_weight``
+    multiplies the cross-entropy (FedMatch Table 4's lambda_s). The returned mean is of the
+    weighted loss.
+    """
     from .algorithms.base import check_finite
 
     steps = train.local_steps if steps is None else steps
@@ -145,7 +151,7 @@ def supervised_steps(
         batch = next(stream)
         x = pipeline.weak(images[batch], generator) if augment == "weak" else pipeline.plain(images[batch])
         y = labels[batch].to(pipeline.device)
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = loss_weight * nn.functional.cross_entropy(model(x), y)
         check_finite(loss, round_idx, party)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -198,21 +204,25 @@ def semi_supervised_steps(
     party: str,
     unlabeled_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, PseudoLabels]] | None = None,
     lambda_u: float = 1.0,
-    unlabeled_ratio: int = 1,
+    unlabeled_batch_size: int | None = None,
     labeled_loss: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     anchor: dict[str, torch.Tensor] | None = None,
     mu: float = 0.0,
+    lambda_s: float = 1.0,
+    weak_view: str = "weak",
 ) -> dict[str, float]:
-    """T local steps of ``l_s + lambda_u * l_u (+ FedProx term)``: FixMatch / UDA on one client.
+    """T local steps of ``lambda_s l_s + lambda_u l_u (+ FedProx term)``: FixMatch / UDA on one client.
 
-    Each step draws a labeled batch of ``batch_size`` (weak augmentation alpha, target: its
-    labels) and an unlabeled batch of ``unlabeled_ratio * batch_size`` shown twice, as alpha(u)
-    and A(u) (FixMatch's mu and its B). All views go through the model in one forward pass, as
-    in FixMatch's code, so normalisation layers see one batch. ``unlabeled_loss(logits_strong,
-    logits_weak)`` returns the unlabeled loss and its pseudo-labels; the weak logits are handed
-    over detached. A half with no samples (or, for the unlabeled half, no ``unlabeled_loss``) is
-    skipped. ``labeled_idx`` is the only place labels are read for training; ``labels`` at
-    ``unlabeled_idx`` only feed the ``pseudo_acc`` diagnostic.
+    Each step draws a labeled batch of ``batch_size`` (view ``weak_view``, target: its labels)
+    and an unlabeled batch of ``unlabeled_batch_size`` (default ``batch_size``) shown twice, as
+    the weak view and as A(u). ``weak_view`` is ``weak`` (flip-and-shift alpha, FixMatch) or
+    ``plain`` (the original images, as FedMatch's authors ran FixMatch and UDA, Appendix A.1).
+    All views go through the model in one forward pass, as in FixMatch's code, so normalisation
+    layers see one batch. ``unlabeled_loss(logits_strong, logits_weak)`` returns the unlabeled
+    loss and its pseudo-labels; the weak logits are handed over detached. A half with no samples
+    (or, for the unlabeled half, no ``unlabeled_loss``) is skipped. ``labeled_idx`` is the only
+    place labels are read for training; ``labels`` at ``unlabeled_idx`` only feed the
+    ``pseudo_acc`` diagnostic.
 
     Parameters
     ----------
@@ -222,12 +232,15 @@ def semi_supervised_steps(
     anchor, mu : dict, float
         FedProx: add :func:`proximal_term` towards ``anchor`` (the round's global weights) with
         coefficient ``mu``; skipped when ``anchor`` is None or ``mu == 0``.
+    lambda_s : float
+        Weight of the labeled loss (FedMatch Table 4: 10 for every method).
 
     Returns
     -------
     dict[str, float]
-        Step means of ``loss``, ``loss_x``, ``loss_u``, ``mask_rate``, ``prox`` (those that
-        apply) and ``pseudo_acc`` (accuracy of the kept pseudo-labels, when any was kept).
+        Step means of ``loss``, ``loss_x`` (weighted by ``lambda_s``), ``loss_u``, ``mask_rate``,
+        ``prox`` (those that apply) and ``pseudo_acc`` (accuracy of the kept pseudo-labels, when
+        any was kept).
 
     Raises
     ------
@@ -244,7 +257,10 @@ def semi_supervised_steps(
     model.train()
     opt = make_optimizer(model, train)
     stream_x = BatchStream(labeled_idx, train.batch_size, generator) if use_x else None
-    stream_u = BatchStream(unlabeled_idx, unlabeled_ratio * train.batch_size, generator) if use_u else None
+    if weak_view not in ("weak", "plain"):
+        raise ValueError(f"semi_supervised_steps: weak_view {weak_view!r} is not 'weak' or 'plain'")
+    view = pipeline.weak if weak_view == "weak" else (lambda imgs, gen: pipeline.plain(imgs))
+    stream_u = BatchStream(unlabeled_idx, unlabeled_batch_size or train.batch_size, generator) if use_u else None
     prox_on = anchor is not None and mu != 0
     if prox_on:
         anchor = {k: v.to(device) for k, v in anchor.items()}
@@ -262,18 +278,18 @@ def semi_supervised_steps(
         views, y, batch_u = [], None, None
         if stream_x is not None:
             batch_x = next(stream_x)
-            views.append(pipeline.weak(images[batch_x], generator))
+            views.append(view(images[batch_x], generator))
             y = labels[batch_x].to(device)
         if stream_u is not None:
             batch_u = next(stream_u)
-            views.append(pipeline.weak(images[batch_u], generator))
+            views.append(view(images[batch_u], generator))
             views.append(pipeline.strong(images[batch_u], generator))
         logits = model(torch.cat(views))
         parts: dict[str, torch.Tensor] = {}
         n_x = 0
         if y is not None:
             n_x = y.numel()
-            parts["loss_x"] = labeled_loss(logits[:n_x], y, step)
+            parts["loss_x"] = lambda_s * labeled_loss(logits[:n_x], y, step)
         pl = None
         if batch_u is not None:
             logits_weak, logits_strong = logits[n_x:].chunk(2)

@@ -34,11 +34,13 @@ def rows(run_dir) -> list[dict]:
 
 
 # ---- config ------------------------------------------------------------------------------------------
-def test_defaults_are_the_papers(small_config) -> None:
+def test_defaults_are_fedmatchs_table_4_and_appendix_a1(small_config) -> None:
     fm = small_config("ssfl_args.algorithm=fedprox_fixmatch").ssfl_args
-    assert (fm.threshold, fm.lambda_u, fm.mu, fm.unlabeled_ratio, fm.include_server) == (0.95, 1.0, 0.01, 1, None)
+    assert (fm.threshold, fm.lambda_s, fm.lambda_u, fm.mu, fm.unlabeled_batch_size) == (0.85, 10.0, 1.0, 0.01, 100)
+    assert (fm.weak_view, fm.include_server, fm.server_protocol) == ("plain", None, "sequential")
     uda = small_config("ssfl_args.algorithm=fedprox_uda").ssfl_args
-    assert (uda.temperature, uda.threshold, uda.lambda_u, uda.tsa, uda.mu) == (0.4, 0.8, 1.0, "none", 0.01)
+    assert (uda.temperature, uda.threshold, uda.lambda_s, uda.lambda_u, uda.tsa) == (0.4, 0.8, 10.0, 1.0, "exp")
+    assert (uda.mu, uda.weak_view, uda.server_protocol) == (0.01, "plain", "sequential")
     assert not hasattr(small_config("ssfl_args.algorithm=fedavg_uda").ssfl_args, "mu")
 
 
@@ -47,7 +49,10 @@ def test_defaults_are_the_papers(small_config) -> None:
     [
         ("fedavg_fixmatch", "ssfl_args.threshold=1.5", "threshold"),
         ("fedavg_fixmatch", "ssfl_args.lambda_u=-1", "lambda_u"),
-        ("fedavg_fixmatch", "ssfl_args.unlabeled_ratio=0", "unlabeled_ratio"),
+        ("fedavg_fixmatch", "ssfl_args.unlabeled_batch_size=0", "unlabeled_batch_size"),
+        ("fedavg_fixmatch", "ssfl_args.lambda_s=-1", "lambda_s"),
+        ("fedavg_fixmatch", "ssfl_args.weak_view=flip", "weak_view"),
+        ("fedavg_uda", "ssfl_args.server_protocol=async", "server_protocol"),
         ("fedprox_fixmatch", "ssfl_args.mu=-0.1", "mu"),
         ("fedavg_uda", "ssfl_args.temperature=0", "temperature"),
         ("fedavg_uda", "ssfl_args.tsa=cosine", "tsa"),
@@ -82,10 +87,12 @@ def test_the_server_trains_only_where_the_labels_are(small_config) -> None:
     # in labels-at-client the server still holds N_s = 50 labels, but only aggregates unless asked
     assert client.server_data.labeled_idx.numel() == 50
     assert server.server_trains and not client.server_trains and hybrid.server_trains
+    before = dict(client.global_state)
     client.server_step(0)
-    assert client._server_state is None
+    assert client._server_state is None and same(before, client.global_state)
+    before = dict(server.global_state)
     server.server_step(0)
-    assert not same(server._server_state, server.global_state)
+    assert not same(before, server.global_state)
 
 
 # ---- aggregation -------------------------------------------------------------------------------------
@@ -107,10 +114,37 @@ def test_labels_at_client_averages_by_sample_count(small_config) -> None:
             assert torch.allclose(v, torch.full_like(v, (1.0 + 3 * 5.0) / 4))
 
 
-def test_labels_at_server_averages_the_server_in_as_one_model(small_config) -> None:
+def test_sequential_protocol_broadcasts_the_trained_model_and_averages_the_clients(small_config) -> None:
+    # FedMatch Sec. 5 / Algorithm 2: the server trains on its labels *before* broadcasting, and the
+    # new global model is the clients' average (the server is not one of them)
     _, algo, _ = setup(small_config, "ssfl_args.algorithm=fedavg_fixmatch")
+    initial = dict(algo.global_state)
+    algo.server_step(0)
+    trained = dict(algo.global_state)
+    assert not same(initial, trained) and algo._server_state is None
+    assert same(algo.message_for(0, 0).weights, trained)  # what goes out is the trained model
+    replies = {
+        0: Message(weights=constant_state(algo, 1.0), num_samples=100),
+        1: Message(weights=constant_state(algo, 4.0), num_samples=100),
+    }
+    algo.aggregate(replies, 0)
+    for v in algo.global_state.values():
+        if v.is_floating_point():
+            assert torch.allclose(v, torch.full_like(v, 2.5))
+    # no client sent anything: the server's trained model stands
+    algo.server_step(1)
+    trained = dict(algo.global_state)
+    algo.aggregate({0: Message()}, 1)
+    assert same(algo.global_state, trained)
+
+
+def test_parallel_protocol_averages_the_server_in_as_one_model(small_config) -> None:
+    # Zhang et al. Eq. 5: the server trains beside the clients from the same w^t and counts as one
+    _, algo, _ = setup(small_config, "ssfl_args.algorithm=fedavg_fixmatch", "ssfl_args.server_protocol=parallel")
+    initial = dict(algo.global_state)
     algo.server_step(0)
     server = algo._server_state
+    assert same(algo.message_for(0, 0).weights, initial)  # the clients start from w^t, not the trained model
     replies = {
         0: Message(weights=constant_state(algo, 1.0), num_samples=10),
         1: Message(weights=constant_state(algo, 4.0), num_samples=1000),
@@ -119,6 +153,41 @@ def test_labels_at_server_averages_the_server_in_as_one_model(small_config) -> N
     for k, v in algo.global_state.items():
         if v.is_floating_point():  # uniform: (w_s + w_1 + w_2) / 3, sample counts ignored
             assert torch.allclose(v, (server[k] + 5.0) / 3, atol=1e-6)
+
+
+def test_lambda_s_weights_the_labeled_loss(small_config) -> None:
+    losses = {}
+    for lam in (1.0, 10.0):
+        exp, algo, ctx = setup(
+            small_config,
+            "ssfl_args.algorithm=fedavg_fixmatch",
+            "data_args.label_scenario=client",
+            "train_args.local_steps=1",
+            f"ssfl_args.lambda_s={lam}",
+        )
+        reply = algo.client_update(algo.message_for(0, 0), exp.client_data(0), {}, ctx)
+        losses[lam] = reply.extras["metrics"]["loss_x"]
+    assert losses[10.0] == pytest.approx(10 * losses[1.0], rel=1e-5)
+
+
+def test_the_weak_view_is_the_original_image_unless_asked(small_config, monkeypatch) -> None:
+    # FedMatch A.1: "we use original images rather than weakly augmenting the images"
+    from fedml_ssfl.training import InputPipeline
+
+    calls = {"weak": 0}
+    weak = InputPipeline.weak
+
+    def counting(self, images, generator):
+        calls["weak"] += 1
+        return weak(self, images, generator)
+
+    monkeypatch.setattr(InputPipeline, "weak", counting)
+    for view, expect_weak in (("plain", False), ("weak", True)):
+        calls["weak"] = 0
+        exp, algo, ctx = setup(small_config, "ssfl_args.algorithm=fedavg_uda", f"ssfl_args.weak_view={view}")
+        algo.server_step(0)  # the server's labeled batches too
+        algo.client_update(algo.message_for(0, 0), exp.client_data(0), {}, ctx)
+        assert (calls["weak"] > 0) == expect_weak, view
 
 
 # ---- clients ------------------------------------------------------------------------------------------
@@ -202,7 +271,8 @@ def test_fedprox_with_mu_zero_is_fedavg(small_config, tmp_path) -> None:
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
-E2E = ("train_args.comm_round=8", "train_args.local_steps=10", "train_args.learning_rate=0.05")
+# lr 0.005 with momentum 0.9: with Table 4's lambda_s = 10 the labeled loss steps like lr 0.05 did
+E2E = ("train_args.comm_round=8", "train_args.local_steps=10", "train_args.learning_rate=0.005")
 
 
 def test_fedavg_fixmatch_labels_at_client_learns(small_config, tmp_path) -> None:
@@ -210,40 +280,30 @@ def test_fedavg_fixmatch_labels_at_client_learns(small_config, tmp_path) -> None
         small_config("ssfl_args.algorithm=fedavg_fixmatch", "data_args.label_scenario=client", *E2E),
         run_dir=tmp_path / "run",
     )
-    # measured on digits (4 clients x 50 labels + 297 unlabeled, 8 rounds of 10 steps): 0.90. Chance is 0.10, and
+    # measured on digits (4 clients x 50 labels + 297 unlabeled, 8 rounds of 10 steps): 0.97. Chance is 0.10, and
     # a server that never takes the clients' models in keeps its random initial model
-    assert res.final_acc > 0.8, res.final_acc
+    assert res.final_acc > 0.85, res.final_acc
     assert res.summary["bytes_up_per_round"] > 0
 
 
-def test_fedavg_uda_labels_at_client_learns_from_confident_unlabeled_data(small_config, tmp_path) -> None:
-    res = run_local(
-        small_config("ssfl_args.algorithm=fedavg_uda", "data_args.label_scenario=client", *E2E),
-        run_dir=tmp_path / "run",
-    )
+def test_labels_at_server_clients_train_on_pseudo_labels_under_fedmatchs_protocol(small_config, tmp_path) -> None:
+    # the server trains first, so the broadcast model is good enough for the clients' pseudo-labels
+    # to pass tau: measured on digits, mask rate 0.47 and accuracy 0.86 in the last round (the clients'
+    # models alone make the global model). A protocol that broadcasts the untrained model left the
+    # mask at 0 in every round of the MNIST-5k table.
+    res = run_local(small_config("ssfl_args.algorithm=fedavg_fixmatch", *E2E), run_dir=tmp_path / "run")
     last = rows(res.run_dir)[-1]
-    # measured: accuracy 0.87; in the last round 24% of the unlabeled samples pass the 0.8 mask, and their
-    # argmax is right for all of them (pseudo-label accuracy 1.0)
-    assert res.final_acc > 0.75, res.final_acc
     assert last["client_mask_rate"] > 0.1 and last["client_pseudo_acc"] > 0.8, last
+    assert res.final_acc > 0.7, res.final_acc
 
 
-# measured on digits with E2E (1 thread): fedprox_fixmatch 0.905, fedprox_uda 0.861 (labels-at-client);
-# fedavg_fixmatch and fedprox_uda 0.758 in labels-at-server (below server_only's 0.813 at the same settings:
-# the naive baselines' weakness FedMatch's Table 1 shows); local_sl 0.719, local_uda 0.771 (mean over clients).
-# Chance is 0.10; the first round's model is near 0.3.
-FLOORS = [
-    ("fedprox_fixmatch", "client", 0.8),
-    ("fedprox_uda", "client", 0.75),
-    ("fedavg_fixmatch", "server", 0.6),
-    ("fedprox_uda", "server", 0.6),
-    ("local_sl", "client", 0.6),
-    ("local_uda", "client", 0.65),
-]
-
-
-@pytest.mark.parametrize(("algorithm", "scenario", "floor"), FLOORS)
-def test_every_baseline_learns_in_a_short_run(small_config, tmp_path, algorithm, scenario, floor) -> None:
-    cfg = small_config(f"ssfl_args.algorithm={algorithm}", f"data_args.label_scenario={scenario}", *E2E)
-    res = run_local(cfg, run_dir=tmp_path / "run")
-    assert res.final_acc > floor, res.final_acc
+# measured on digits with E2E (1 thread): fedprox_fixmatch 0.967 vs local_fixmatch 0.863; fedprox_uda 0.914
+# vs local_uda 0.808 (labels-at-client, 4 clients x 50 labels): sharing adds about 10 points, FedMatch's
+# Table 2 ordering of the FedProx-SSL baselines above the local ones.
+@pytest.mark.parametrize("ssl", ["fixmatch", "uda"])
+def test_sharing_beats_local_training_with_labels_at_the_clients(small_config, tmp_path, ssl) -> None:
+    acc = {}
+    for algo in (f"fedprox_{ssl}", f"local_{ssl}"):
+        cfg = small_config(f"ssfl_args.algorithm={algo}", "data_args.label_scenario=client", *E2E)
+        acc[algo] = run_local(cfg, run_dir=tmp_path / algo).final_acc
+    assert acc[f"fedprox_{ssl}"] > acc[f"local_{ssl}"] + 0.04, acc

@@ -25,9 +25,7 @@ class GlobalModelAlgorithm(Algorithm):
         self.global_state: dict[str, torch.Tensor] = cpu_state(self.model_fn())
 
     # ---- models ------------------------------------------------------------------------
-    def scratch_model(
-        self, weights: dict[str, torch.Tensor], device: torch.device, slot: str = "client"
-    ) -> nn.Module:
+    def scratch_model(self, weights: dict[str, torch.Tensor], device: torch.device, slot: str = "client") -> nn.Module:
         """A reusable model instance (one per slot) loaded with ``weights`` on ``device``."""
         model = self._scratch.get(slot)
         if model is None:
@@ -43,9 +41,12 @@ class GlobalModelAlgorithm(Algorithm):
         return self._eval_model
 
     def train_on_server_labels(
-        self, weights: dict[str, torch.Tensor], round_idx: int
+        self, weights: dict[str, torch.Tensor], round_idx: int, loss_weight: float = 1.0, augment: str = "weak"
     ) -> dict[str, torch.Tensor]:
-        """T supervised steps on the server's labels from ``weights`` (Zhang et al. Eq. 2)."""
+        """T supervised steps on the server's labels from ``weights`` (Zhang et al. Eq. 2).
+
+        ``loss_weight`` and ``augment`` are those of :func:`~fedml_ssfl.training.supervised_steps`.
+        """
         model = self.scratch_model(weights, self.device, slot="server")
         pipeline = InputPipeline(self.data_info, self.device)
         gen = seeding.generator(self.seed, "server", round_idx)
@@ -59,12 +60,12 @@ class GlobalModelAlgorithm(Algorithm):
             round_idx,
             gen,
             party="the server",
+            augment=augment,
+            loss_weight=loss_weight,
         )
         return cpu_state(model)
 
-    def broadcast(
-        self, round_idx: int, weights: dict[str, torch.Tensor] | None = None, **extras: Any
-    ) -> Message:
+    def broadcast(self, round_idx: int, weights: dict[str, torch.Tensor] | None = None, **extras: Any) -> Message:
         """A message carrying the global (or given) weights and the round index."""
         return Message(
             weights=dict(weights if weights is not None else self.global_state),

@@ -3,30 +3,46 @@
 Jeong et al. (2021, Sec. 5 and A.1; Tables 1-2, "FedAvg-" and "FedProx-UDA/FixMatch") compare
 FedMatch with the plain combination of a federated optimiser and a semi-supervised loss:
 
-* FixMatch (Sohn et al. 2020, Sec. 2.2): ``l_s + lambda_u * l_u`` with ``l_u`` the cross-entropy of
-  the confident (tau = 0.95) argmax of f(alpha(u)) on f(A(u)) (:func:`~fedml_ssfl.ssl.fixmatch_loss`);
-* UDA (Xie et al. 2020): ``l_s + lambda_u * KL(softmax(f(alpha(u)) / T) || f(A(u)))`` kept
-  where the unsharpened confidence reaches 0.8, T = 0.4 (:func:`~fedml_ssfl.ssl.uda_loss`),
-  optionally with Training Signal Annealing on ``l_s``;
+* FixMatch (Sohn et al. 2020, Sec. 2.2): ``lambda_s l_s + lambda_u l_u`` with ``l_u`` the
+  cross-entropy of the confident (tau) argmax of the weak view on f(A(u))
+  (:func:`~fedml_ssfl.ssl.fixmatch_loss`);
+* UDA (Xie et al. 2020): ``lambda_s l_s + lambda_u KL(softmax(f(weak(u)) / T) || f(A(u)))`` kept
+  where the unsharpened confidence reaches 0.8, T = 0.4 (:func:`~fedml_ssfl.ssl.uda_loss`), with
+  Training Signal Annealing on ``l_s``;
 * FedAvg (McMahan et al. 2017): the clients' models averaged, weighted by their sample counts;
 * FedProx (Li et al. 2020, the local objective h_k, Eq. 2): FedAvg whose clients add ``mu/2 ||w - w^t||^2``
   (:func:`~fedml_ssfl.training.proximal_term`, mu = 1e-2 as in Jeong et al. Table 4).
 
+Defaults are FedMatch's (Table 4 and Appendix A.1), the settings its tables ran these baselines
+with: lambda_s = 10 (the labeled loss, clients and server alike), lambda_u = 1, unlabeled batch
+B^U = 100, FixMatch's threshold tau = 0.85 ("We fix confidence threshold tau = 0.85 for all
+FixMatch and our model experiments"), UDA with TSA on the exponential schedule ("UDA with the
+Training Signal Annealing (TSA) and exponential scheduling"), and the original image as the weak
+view ("we use original images rather than weakly augmenting the images"; ``weak_view: weak``
+restores FixMatch's flip-and-shift). The labeled batch is ``train_args.batch_size`` (Table 4:
+B^S = 10 at a client, 100 at the server).
+
 Both label scenarios, from the global model ``w^t`` each round:
 
 * labels-at-client: each sampled client takes T = ``train_args.local_steps`` SGD steps on
-  ``l_s`` over a batch of its labeled samples (weak augmentation) plus ``lambda_u * l_u`` over a
-  batch of ``unlabeled_ratio * batch_size`` of its unlabeled samples (plus the proximal term);
-  the server only aggregates, weighting client k by its sample count N_k (Jeong et al. Sec. 2);
-* labels-at-server: the server takes T steps of cross-entropy on its labels
-  (:meth:`~fedml_ssfl.algorithms.common.GlobalModelAlgorithm.train_on_server_labels`), the
-  clients take T steps of ``lambda_u * l_u`` alone (plus the proximal term), and the server
-  averages itself with the clients as one model (Zhang et al. Eq. 5), as ``fedavg_ssl`` does.
+  ``lambda_s l_s`` over a batch of its labeled samples plus ``lambda_u l_u`` over a batch of its
+  unlabeled samples (plus the proximal term); the server only aggregates, weighting client k by
+  its sample count N_k (Jeong et al. Sec. 2);
+* labels-at-server, ``server_protocol: sequential`` (default; FedMatch Sec. 5, Algorithm 2: "the
+  global model G performs supervised learning on S^G ... before broadcasting theta^G to local
+  clients"): the server first takes T steps of ``lambda_s`` cross-entropy on its labels, then
+  broadcasts that trained model; the clients take T steps of ``lambda_u l_u`` alone (plus the
+  proximal term) from it; the new global model is the average of the clients' models (the server
+  is not one of them, Algorithm 2 line 15);
+* labels-at-server, ``server_protocol: parallel`` (Zhang et al.'s protocol, Eq. 5, as
+  ``fedavg_ssl`` runs it): server and clients all start from ``w^t``; the server's T supervised
+  steps run beside the clients' and the server is averaged in as one model.
 
 ``include_server`` picks the server's part: unset, the server trains in labels-at-server and
 only aggregates in labels-at-client; ``true`` in labels-at-client also trains the server on its
-N_s labels and averages it in (a hybrid, not in the papers). A client without labeled samples
-skips ``l_s``, one without unlabeled samples skips ``l_u``, one with neither sends nothing.
+N_s labels (a hybrid, not in the papers; ``server_protocol`` applies). A client without labeled
+samples skips ``l_s``, one without unlabeled samples skips ``l_u``, one with neither sends
+nothing; if no client sends anything the global model is the server's (sequential) or unchanged.
 
 The four names share :class:`FedSSLBaseline`, parameterised by the unlabeled loss (the config
 class: :class:`FixMatchConfig` or :class:`UDAConfig`) and the proximal coefficient (``mu``,
@@ -34,16 +50,11 @@ class: :class:`FixMatchConfig` or :class:`UDAConfig`) and the proximal coefficie
 
 Deviations from the papers, all on purpose:
 
-* unlabeled batch: FixMatch draws mu = 7 unlabeled per labeled sample and the FedMatch authors
-  B_U/B_S = 100/10; the default here is ``unlabeled_ratio = 1`` (one unlabeled batch of
-  ``batch_size`` per labeled batch) to keep CPU runs cheap: set it to 7 for FixMatch's ratio;
-* FedMatch's authors pseudo-label the un-augmented image and fix tau = 0.85; here alpha(u) and
-  FixMatch's tau = 0.95 (both configurable via ``threshold``; the view is not);
 * FedMatch reports FedProx averaging uniformly; here FedProx aggregates exactly like FedAvg (by
   sample counts), so ``mu = 0`` reproduces FedAvg bit for bit and only the proximal term differs;
-* the optimiser and schedule are the repository's (``train_args``: SGD with momentum, Eq. 9
-  cosine), not FedMatch's SGD 1e-3 with adaptive decay; TSA (UDA) applies to the clients'
-  labeled loss only, never to the server's supervised steps;
+* the optimiser and schedule are ``train_args`` (FedMatch: SGD at 1e-3 with Serra et al.'s
+  adaptive decay on a validation loss, which a federated run without a validation split cannot
+  follow); TSA (UDA) applies to the clients' labeled loss only, never to the server's steps;
 * the server's supervised steps carry no proximal term (it starts each round at ``w^t``).
 """
 
@@ -73,30 +84,48 @@ def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
 # ---- configs -------------------------------------------------------------------------------------
 
 
+def _check_common(config: Any) -> None:
+    """The keys FixMatch and UDA share."""
+    _need(config.lambda_s >= 0.0, "lambda_s", config.lambda_s, ">= 0")
+    _need(config.lambda_u >= 0.0, "lambda_u", config.lambda_u, ">= 0")
+    batch = config.unlabeled_batch_size
+    _need(batch is None or batch >= 1, "unlabeled_batch_size", batch, "an integer >= 1 (null: train_args.batch_size)")
+    _need(config.weak_view in WEAK_VIEWS, "weak_view", config.weak_view, f"one of {', '.join(WEAK_VIEWS)}")
+
+
+WEAK_VIEWS = ("plain", "weak")
+"""``plain``: the original image (FedMatch A.1); ``weak``: flip-and-shift (FixMatch)."""
+
+
 @dataclass
 class FixMatchConfig(AlgorithmConfig):
-    """FixMatch's hyper-parameters (Sohn et al. Sec. 4).
+    """FixMatch's hyper-parameters as FedMatch ran them (Jeong et al. Table 4, Appendix A.1).
 
     Attributes
     ----------
     threshold : float
-        tau, the pseudo-label confidence threshold (0.95; FedMatch's authors used 0.85).
+        tau, the pseudo-label confidence threshold (0.85, FedMatch A.1; FixMatch's own paper: 0.95).
+    lambda_s : float
+        Weight of the labeled loss (10, Table 4).
     lambda_u : float
-        Weight of the unlabeled loss (1).
-    unlabeled_ratio : int
-        Unlabeled batch = ``unlabeled_ratio * train_args.batch_size`` (FixMatch's mu = 7; 1 here to
-        keep runs cheap).
+        Weight of the unlabeled loss (1, Table 4).
+    unlabeled_batch_size : int or None
+        Unlabeled mini-batch B^U (100, Table 4); null: ``train_args.batch_size``.
+    weak_view : str
+        The view pseudo-labels and labeled batches use: ``plain`` (the original image, A.1) or
+        ``weak`` (flip-and-shift, FixMatch's alpha).
     """
 
-    threshold: float = 0.95
+    threshold: float = 0.85
+    lambda_s: float = 10.0
     lambda_u: float = 1.0
-    unlabeled_ratio: int = 1
+    unlabeled_batch_size: int | None = 100
+    weak_view: str = "plain"
 
     def check(self, cfg: Any) -> None:
         """Ranges of the keys."""
         _need(0.0 <= self.threshold <= 1.0, "threshold", self.threshold, "in [0, 1]")
-        _need(self.lambda_u >= 0.0, "lambda_u", self.lambda_u, ">= 0")
-        _need(self.unlabeled_ratio >= 1, "unlabeled_ratio", self.unlabeled_ratio, "an integer >= 1")
+        _check_common(self)
 
     def unlabeled_loss(
         self, logits_strong: torch.Tensor, logits_weak: torch.Tensor
@@ -113,7 +142,7 @@ class FixMatchConfig(AlgorithmConfig):
 
 @dataclass
 class UDAConfig(AlgorithmConfig):
-    """UDA's hyper-parameters (Xie et al.: T = 0.4, beta = 0.8, lambda_u = 1).
+    """UDA's hyper-parameters (Xie et al.: T = 0.4, beta = 0.8) as FedMatch ran them (Table 4, A.1).
 
     Attributes
     ----------
@@ -121,29 +150,35 @@ class UDAConfig(AlgorithmConfig):
         T, the sharpening temperature of the target (> 0; 1 = no sharpening).
     threshold : float
         beta, the confidence mask on the unsharpened prediction.
+    lambda_s : float
+        Weight of the labeled loss (10, Table 4).
     lambda_u : float
-        Weight of the consistency loss.
+        Weight of the consistency loss (1, Table 4).
     tsa : str
-        Training Signal Annealing on the clients' labeled loss: ``none`` (default), ``linear``,
-        ``log`` or ``exp`` (FedMatch's authors' choice). Progress runs over the whole run,
+        Training Signal Annealing on the clients' labeled loss: ``exp`` (default, FedMatch A.1),
+        ``linear``, ``log`` or ``none``. Progress runs over the whole run,
         ``(round * T + step) / (comm_round * T)``.
-    unlabeled_ratio : int
-        Unlabeled batch = ``unlabeled_ratio * train_args.batch_size``.
+    unlabeled_batch_size : int or None
+        Unlabeled mini-batch B^U (100, Table 4); null: ``train_args.batch_size``.
+    weak_view : str
+        The view targets and labeled batches use: ``plain`` (the original image, A.1; UDA's own
+        choice too) or ``weak`` (flip-and-shift).
     """
 
     temperature: float = 0.4
     threshold: float = 0.8
+    lambda_s: float = 10.0
     lambda_u: float = 1.0
-    tsa: str = "none"
-    unlabeled_ratio: int = 1
+    tsa: str = "exp"
+    unlabeled_batch_size: int | None = 100
+    weak_view: str = "plain"
 
     def check(self, cfg: Any) -> None:
         """Ranges of the keys."""
         _need(self.temperature > 0.0, "temperature", self.temperature, "> 0")
         _need(0.0 <= self.threshold <= 1.0, "threshold", self.threshold, "in [0, 1]")
-        _need(self.lambda_u >= 0.0, "lambda_u", self.lambda_u, ">= 0")
         _need(self.tsa in TSA_SCHEDULES, "tsa", self.tsa, f"one of {', '.join(TSA_SCHEDULES)}")
-        _need(self.unlabeled_ratio >= 1, "unlabeled_ratio", self.unlabeled_ratio, "an integer >= 1")
+        _check_common(self)
 
     def unlabeled_loss(
         self, logits_strong: torch.Tensor, logits_weak: torch.Tensor
@@ -181,6 +216,13 @@ def _check_federated(config: Any, cfg: Any) -> None:
         )
     mu = getattr(config, "mu", 0.0)
     _need(mu >= 0.0, "mu", mu, ">= 0")
+    protocol = config.server_protocol
+    _need(protocol in SERVER_PROTOCOLS, "server_protocol", protocol, f"one of {', '.join(SERVER_PROTOCOLS)}")
+
+
+SERVER_PROTOCOLS = ("sequential", "parallel")
+"""``sequential``: the server trains, then broadcasts, the clients are averaged (FedMatch Sec. 5);
+``parallel``: the server trains beside the clients and is averaged in as one model (Zhang et al. Eq. 5)."""
 
 
 @dataclass
@@ -190,12 +232,17 @@ class FedAvgFixMatchConfig(FixMatchConfig):
     Attributes
     ----------
     include_server : bool or None
-        Unset (default): the server trains on its labels and is averaged in as one model in
-        labels-at-server, and only aggregates in labels-at-client. True: it trains in both.
-        False: it only aggregates (refused in labels-at-server).
+        Unset (default): the server trains on its labels in labels-at-server and only aggregates
+        in labels-at-client. True: it trains in both. False: it only aggregates (refused in
+        labels-at-server).
+    server_protocol : str
+        Where the server trains: ``sequential`` (default, FedMatch Sec. 5: train, then broadcast
+        the trained model; average the clients) or ``parallel`` (Zhang et al. Eq. 5: train beside
+        the clients from the same global model; average the server in as one model).
     """
 
     include_server: bool | None = None
+    server_protocol: str = "sequential"
 
     def check(self, cfg: Any) -> None:
         super().check(cfg)
@@ -211,9 +258,11 @@ class FedProxFixMatchConfig(FedAvgFixMatchConfig):
 
 @dataclass
 class FedAvgUDAConfig(UDAConfig):
-    """``fedavg_uda``: UDA's keys plus ``include_server`` (see :class:`FedAvgFixMatchConfig`)."""
+    """``fedavg_uda``: UDA's keys plus ``include_server`` and ``server_protocol`` (see
+    :class:`FedAvgFixMatchConfig`)."""
 
     include_server: bool | None = None
+    server_protocol: str = "sequential"
 
     def check(self, cfg: Any) -> None:
         super().check(cfg)
@@ -258,10 +307,12 @@ def train_ssl_client(
         client_party(data.client_id),
         unlabeled_loss=cfg.unlabeled_loss,
         lambda_u=cfg.lambda_u,
-        unlabeled_ratio=cfg.unlabeled_ratio,
+        unlabeled_batch_size=cfg.unlabeled_batch_size,
         labeled_loss=cfg.labeled_loss(algo.train, data.num_classes),
         anchor=anchor,
         mu=mu,
+        lambda_s=cfg.lambda_s,
+        weak_view=cfg.weak_view,
     )
 
 
@@ -284,7 +335,7 @@ class FedSSLBaseline(GlobalModelAlgorithm):
 
     @property
     def server_trains(self) -> bool:
-        """Whether the server trains on its labels and is averaged in as one model this run."""
+        """Whether the server trains on its labels this run."""
         if self.server_data.labeled_idx.numel() == 0:
             return False
         if self.config.include_server is not None:
@@ -296,7 +347,17 @@ class FedSSLBaseline(GlobalModelAlgorithm):
         self._server_state: dict[str, torch.Tensor] | None = None
 
     def server_step(self, round_idx: int) -> None:
-        self._server_state = self.train_on_server_labels(self.global_state, round_idx) if self.server_trains else None
+        """The server's ``lambda_s`` cross-entropy steps: before the broadcast (sequential) or beside
+        the clients, kept aside to be averaged in (parallel)."""
+        self._server_state = None
+        if not self.server_trains:
+            return
+        cfg = self.config
+        trained = self.train_on_server_labels(self.global_state, round_idx, cfg.lambda_s, cfg.weak_view)
+        if cfg.server_protocol == "sequential":
+            self.global_state = trained  # FedMatch Algorithm 2 lines 4-8: the broadcast model
+        else:
+            self._server_state = trained  # Zhang et al. Eq. 5: one more model in the average
 
     def message_for(self, client_id: int, round_idx: int) -> Message:
         return self.broadcast(round_idx)

@@ -74,12 +74,12 @@ class LocalSLConfig(AlgorithmConfig):
 
 @dataclass
 class LocalFixMatchConfig(FixMatchConfig):
-    """``local_fixmatch``: FixMatch's keys (``threshold``, ``lambda_u``, ``unlabeled_ratio``)."""
+    """``local_fixmatch``: FixMatch's keys (see :class:`.FixMatchConfig`)."""
 
 
 @dataclass
 class LocalUDAConfig(UDAConfig):
-    """``local_uda``: UDA's keys (``temperature``, ``threshold``, ``lambda_u``, ``tsa``, ``unlabeled_ratio``)."""
+    """``local_uda``: UDA's keys (see :class:`.UDAConfig`)."""
 
 
 class ClientModels(Sequence[nn.Module]):
