@@ -59,7 +59,9 @@ def probe(cfg, rounds: int) -> list[dict]:
         if hasattr(algo, "psi"):
             row["sigma_norm"], row["psi_norm"] = norm(algo.sigma), norm(algo.psi)
         ctx = ClientContext(round_idx=r, device=exp.device, seed=cfg.common_args.random_seed)
-        replies = {k: algo.client_update(start.messages[k], exp.client_data(k, r), states[k], ctx) for k in start.chosen}
+        replies = {
+            k: algo.client_update(start.messages[k], exp.client_data(k, r), states[k], ctx) for k in start.chosen
+        }
         metrics = finish_round(exp, start, replies, 0)
         row["after_clients"] = test_acc(exp)
         if hasattr(algo, "psi"):
