@@ -48,7 +48,7 @@ _MAX_LEVEL = 10.0
 _MAX_ROTATE_DEG = 30.0
 _MAX_SHEAR = 0.3
 _MAX_TRANSLATE = 0.3  # fraction of the image size
-_ENHANCE_MAX, _ENHANCE_BIAS = 0.9, 0.05  # RandAugmentMC: factor 0.05 + 0.9 v / 10, in [0.14, 0.86]
+_ENHANCE_MAX, _ENHANCE_BIAS = 0.95, 0.05  # fixmatch_augment_pool: factor 0.05 + 0.95 v / 10, in [0.145, 0.905]
 _GREY = 127.0 / 255.0  # RandAugmentMC's cutout colour (127, 127, 127)
 _FILL = 0.0  # what PIL's rotate / affine transform put outside the image
 
@@ -185,7 +185,7 @@ def _blend(x: torch.Tensor, base: torch.Tensor, factor: torch.Tensor) -> torch.T
 
 
 def _enhance_factor(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """RandAugmentMC's enhancement factor ``0.05 + 0.9 level`` (no direction: always below 1)."""
+    """RandAugmentMC's enhancement factor ``0.05 + 0.95 level`` (no direction: always below 1)."""
     return _ENHANCE_BIAS + _ENHANCE_MAX * level
 
 
