@@ -1,25 +1,35 @@
 """Model averaging: FedAvg with the server as one model (Eq. 4/5), grouping (Eq. 7), Eq. 8.
 
 All functions take and return state dicts (``dict[str, Tensor]``) on CPU. Floating tensors
-are averaged; integer buffers (BatchNorm's ``num_batches_tracked``) take the maximum.
+are averaged; integer buffers (BatchNorm's ``num_batches_tracked``) take the maximum. With
+``keys`` only the named tensors are averaged and every other one is copied from the first state
+(Zhang et al.'s code averages parameters only, each model keeping its own BatchNorm statistics;
+with the server first, the averaged model keeps the server's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
 State = dict[str, torch.Tensor]
 
 
-def weighted_average(states: Sequence[State], weights: Sequence[float] | None = None) -> State:
+def weighted_average(
+    states: Sequence[State], weights: Sequence[float] | None = None, *, keys: Collection[str] | None = None
+) -> State:
     """Average state dicts, uniformly or with ``weights`` (normalised to sum to one).
+
+    ``keys`` (default: all) are the tensors to average; every other tensor is a copy of
+    ``states[0]``'s (e.g. ``keys`` = the parameter names keeps the first model's BatchNorm
+    running statistics).
 
     Raises
     ------
     ValueError
-        When ``states`` is empty or the dicts disagree on keys or shapes.
+        When ``states`` is empty, the dicts disagree on keys or shapes, or ``keys`` names a
+        tensor they lack.
     """
     if not states:
         raise ValueError("weighted_average: nothing to average")
@@ -30,20 +40,23 @@ def weighted_average(states: Sequence[State], weights: Sequence[float] | None = 
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("weighted_average: weights must sum to a positive number")
-    keys = list(states[0].keys())
+    names = list(states[0].keys())
     for s in states[1:]:
-        if list(s.keys()) != keys:
+        if list(s.keys()) != names:
             raise ValueError("weighted_average: state dicts have different keys")
+    averaged = None if keys is None else set(keys)
+    if averaged is not None and not averaged <= set(names):
+        raise ValueError(f"weighted_average: keys {sorted(averaged - set(names))[:3]} are not in the state dicts")
     out: State = {}
-    for k in keys:
+    for k in names:
         ref = states[0][k]
-        if ref.is_floating_point():
+        if averaged is not None and k not in averaged:
+            out[k] = ref.clone()
+        elif ref.is_floating_point():
             acc = torch.zeros_like(ref, dtype=torch.float64)
             for s, w in zip(states, weights):
                 if s[k].shape != ref.shape:
-                    raise ValueError(
-                        f"weighted_average: '{k}' has shape {tuple(s[k].shape)}, not {tuple(ref.shape)}"
-                    )
+                    raise ValueError(f"weighted_average: '{k}' has shape {tuple(s[k].shape)}, not {tuple(ref.shape)}")
                 acc += s[k].to(torch.float64) * (w / total)
             out[k] = acc.to(ref.dtype)
         else:
@@ -51,19 +64,23 @@ def weighted_average(states: Sequence[State], weights: Sequence[float] | None = 
     return out
 
 
-def fedavg_with_server(server: State, clients: Sequence[State]) -> State:
+def fedavg_with_server(server: State, clients: Sequence[State], *, keys: Collection[str] | None = None) -> State:
     """Zhang et al. Eq. 4 (all K clients) and Eq. 5 (C_k sampled clients).
 
     ``w_avg = (w_s + sum_k w_k) / (C_k + 1)``: uniform, the server counting as one model.
+    ``keys`` restricts the average to those tensors; the rest are the server's own.
     """
-    return weighted_average([server, *clients])
+    return weighted_average([server, *clients], keys=keys)
 
 
-def grouping_average(server: State, groups: Sequence[Sequence[State]]) -> tuple[list[State], State]:
+def grouping_average(
+    server: State, groups: Sequence[Sequence[State]], *, keys: Collection[str] | None = None
+) -> tuple[list[State], State]:
     """Zhang et al. Eq. 7: each group averages with the server; the global is their mean.
 
     ``w_avg,i = (w_s + sum_{k in G_i} w_k) / (|G_i| + 1)`` and ``w_avg = sum_i w_avg,i / S``.
-    An empty group is ``w_s`` itself by the same formula.
+    An empty group is ``w_s`` itself by the same formula. ``keys`` restricts both averages to
+    those tensors; the rest are the server's own in every returned model.
 
     Returns
     -------
@@ -72,8 +89,8 @@ def grouping_average(server: State, groups: Sequence[Sequence[State]]) -> tuple[
     """
     if not groups:
         raise ValueError("grouping_average: at least one group is needed")
-    group_avgs = [fedavg_with_server(server, list(g)) for g in groups]
-    return group_avgs, weighted_average(group_avgs)
+    group_avgs = [fedavg_with_server(server, list(g), keys=keys) for g in groups]
+    return group_avgs, weighted_average(group_avgs, keys=keys)
 
 
 def weight_diversity(before: State, after: Sequence[State], keys: Sequence[str] | None = None) -> float:

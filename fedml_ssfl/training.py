@@ -77,11 +77,54 @@ class InputPipeline:
         return normalize(strong_augment(self.raw(images), generator, flip=self.info.flip), self._mean, self._std)
 
 
-def make_optimizer(model: nn.Module, train: TrainSettings) -> torch.optim.SGD:
-    """SGD with momentum and weight decay, as every paper here uses."""
+def make_optimizer(model: nn.Module, train: TrainSettings, nesterov: bool = False) -> torch.optim.SGD:
+    """SGD with momentum and weight decay, as every paper here uses.
+
+    ``nesterov`` switches on PyTorch's Nesterov momentum (``p -= lr * (d_p + m * buf)`` with
+    ``buf = m * buf + d_p`` and ``d_p = grad + wd * p``), as Zhang et al.'s code uses; the
+    default plain momentum is what every other caller gets.
+    """
     return torch.optim.SGD(
-        model.parameters(), lr=train.learning_rate, momentum=train.momentum, weight_decay=train.weight_decay
+        model.parameters(),
+        lr=train.learning_rate,
+        momentum=train.momentum,
+        weight_decay=train.weight_decay,
+        nesterov=nesterov,
     )
+
+
+def momentum_buffers(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The optimiser's momentum buffers as detached CPU copies keyed by parameter name.
+
+    Parameters without a buffer (never stepped, or an optimiser without momentum) are left out,
+    so the result can go into a client's persistent ``state`` or a checkpoint and come back
+    through :func:`load_momentum_buffers` to continue the same momentum in a later round.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        buf = optimizer.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            out[name] = buf.detach().to("cpu", copy=True)
+    return out
+
+
+def load_momentum_buffers(optimizer: torch.optim.Optimizer, model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Seed ``optimizer`` with momentum buffers saved by :func:`momentum_buffers`.
+
+    Each buffer is copied onto its parameter's device; names missing from ``buffers`` start
+    without one (PyTorch then sets ``buf = d_p`` on the first step).
+
+    Raises
+    ------
+    KeyError
+        When ``buffers`` names a tensor the model does not have.
+    """
+    params = dict(model.named_parameters())
+    for name, buf in buffers.items():
+        if name not in params:
+            raise KeyError(f"load_momentum_buffers: the model has no parameter '{name}'")
+        p = params[name]
+        optimizer.state[p]["momentum_buffer"] = buf.detach().to(device=p.device, dtype=p.dtype, copy=True)
 
 
 def cosine_lr(train: TrainSettings, step: int) -> float:
@@ -132,18 +175,21 @@ def supervised_steps(
     steps: int | None = None,
     augment: str = "weak",
     loss_weight: float = 1.0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> float:
     """T steps of cross-entropy on labeled data (Zhang et al. Eq. 2); returns the mean loss.
 
     ``augment`` is ``weak`` (alpha(x)) or ``plain`` (the original images); ``loss_weight``
     multiplies the cross-entropy (FedMatch Table 4's lambda_s). The returned mean is of the
-    weighted loss.
+    weighted loss. ``optimizer`` (over ``model``'s parameters) replaces the fresh
+    :func:`make_optimizer` SGD, e.g. one whose momentum persists across rounds; its learning
+    rate is set each step by :func:`cosine_lr` all the same.
     """
     from .algorithms.base import check_finite
 
     steps = train.local_steps if steps is None else steps
     model.train()
-    opt = make_optimizer(model, train)
+    opt = make_optimizer(model, train) if optimizer is None else optimizer
     stream = BatchStream(idx, train.batch_size, generator)
     total = 0.0
     for s in range(steps):

@@ -81,3 +81,26 @@ def test_bad_inputs_are_refused():
     assert "shape" in check_update(ref, {"w": torch.ones(3)})
     assert "NaN" in check_update(ref, {"w": torch.tensor([0.0, float("nan")])})
     assert "keys differ" in check_update(ref, {"v": torch.ones(2)})
+
+
+def bn(w, mean, count):
+    return {
+        "w": torch.tensor([w]),
+        "bn.running_mean": torch.tensor([mean]),
+        "bn.num_batches_tracked": torch.tensor(count),
+    }
+
+
+def test_keys_average_only_the_parameters_and_keep_the_first_models_buffers():
+    server, clients = bn(0.0, -1.0, 7), [bn(3.0, 10.0, 9), bn(6.0, 20.0, 11)]
+    out = fedavg_with_server(server, clients, keys=["w"])
+    assert out["w"].item() == pytest.approx(3.0)  # (0 + 3 + 6) / 3
+    assert out["bn.running_mean"].item() == -1.0 and out["bn.num_batches_tracked"].item() == 7  # the server's
+    assert out["bn.running_mean"] is not server["bn.running_mean"]  # a copy, not the server's tensor
+    every = fedavg_with_server(server, clients)  # the default averages every floating tensor
+    assert every["bn.running_mean"].item() == pytest.approx(29 / 3) and every["bn.num_batches_tracked"].item() == 11
+    avgs, glob = grouping_average(server, [clients[:1], clients[1:]], keys=["w"])
+    assert [a["w"].item() for a in avgs] == pytest.approx([1.5, 3.0]) and glob["w"].item() == pytest.approx(2.25)
+    assert all(m["bn.running_mean"].item() == -1.0 for m in [*avgs, glob])
+    with pytest.raises(ValueError, match="not in the state dicts"):
+        weighted_average([server], keys=["nope"])

@@ -5,34 +5,86 @@ Labels-at-server. Every round, from the global model ``w_avg``:
 * the server takes T SGD steps on its N_s labels (Eq. 2, weak augmentation alpha);
 * each of the C_k sampled clients takes T steps on its unlabeled data with the user loss
   ``crl`` (Eq. 6: pseudo-label = argmax f(alpha(x)) kept where max prob >= tau, cross-entropy on
-  f(A(x))) or ``self_training`` (Eq. 3: the same loss on alpha(x));
+  f(A(x)), both views in one forward pass) or ``self_training`` (Eq. 3: pseudo-label and
+  cross-entropy on the same f(alpha(x)));
 * the server averages itself with the clients: ``fedavg`` (Eq. 4/5, uniform, the server
   counting as one model), or ``grouping`` (Eq. 7: S groups each average with the server, the
   global model is the mean of the S group averages, and group i receives its own ``w_avg,i``
   next round).
 
 The learning rate follows Eq. 9 (``train_args.lr_*``). Each round logs the weight diversity of
-Eq. 8 (``sum ||g_i||^2 / ||sum g_i||^2`` with ``g_i = w_i - w_avg``) over the classifier layer,
-as the authors plot it, and over the whole model.
+Eq. 8 (``sum ||g_i||^2 / ||sum g_i||^2`` with ``g_i = w_i - w_avg``) over the parameters of the
+classifier layer, as the authors plot it, and over all parameters.
 
-Defaults follow the paper: tau = 0.95, S = 2, CRL. Grouping is fixed by client id
-(``client_id mod S``) as in the authors' code; ``regroup: random`` redraws groups each round.
-Where the paper is silent: a group with no sampled client this round is the server model
-alone by Eq. 7 and is left out of the global mean (it would only pull toward w_s), and a client
-whose group has no average yet receives the global model.
+Defaults follow the paper: tau = 0.95, S = 2, CRL, training from a random model. Where the paper
+is silent the authors' code (github.com/jhcknzzm/SSFL-Benchmarking-Semi-supervised-Federated-
+Learning) decides the default, and the other behaviour is an option:
+
+* Optimiser (paper, Appendix A.3: "SGD with momentum", nothing more). The code's
+  ``LocalSGD.SGD(momentum=0.9, nesterov=True)`` is built once per worker and lives through
+  all rounds, so its momentum buffers persist per worker across rounds. Here:
+  ``nesterov: true`` and ``persistent_momentum: true`` (default); each client keeps its buffers
+  in its persistent ``state`` (``state["momentum"]``, by parameter name; a client not sampled
+  keeps them untouched until it is), the server in this algorithm's ``state_dict``
+  (``server_momentum``), so a resumed run continues them bit for bit. ``nesterov: false,
+  persistent_momentum: false`` is a fresh plain-momentum SGD per party and round.
+* What is averaged (paper silent). The code averages ``model.parameters()`` only
+  (``comm_helpers.SyncAllreduce``): every model keeps its own BatchNorm running statistics.
+  Here ``average_buffers: false`` (default): Eq. 4/5/7 run over the parameters; the averaged
+  models carry the server's own buffers (the server model keeps its statistics and is the model
+  evaluated); each client keeps its own buffers across rounds in ``state["buffers"]`` (the
+  first time it trains it takes the received ones). ``average_buffers: true`` averages every
+  floating tensor, BN statistics included (integer counters take the maximum). With GroupNorm
+  or no normalisation (``cnn28`` gn, ``emnist_cnn``) a model has no buffers and the two agree.
+  Clients still send their whole state dict (the runtimes check every key is there); under
+  ``average_buffers: false`` the server ignores the buffers in it.
+* Groups (Eq. 7). ``regroup: fixed`` (default) splits the client ids into S contiguous blocks,
+  ``k * S // K``, as the code splits its ranks (CIFAR-10: ranks below size/2 and the rest; on
+  EMNIST, K = 47 and S = 5, the blocks hold 10/9/10/9/9 clients, the code hard-codes
+  10/10/10/10/7); ``regroup: random`` redraws the groups every round (seeded) and then every client receives
+  the global model. Eq. 7 as written is the default: one server model that each group averages
+  with. The code's ``-H`` mode instead keeps one server replica per group and averages the
+  replicas among themselves; that is not implemented. A group with no sampled client this
+  round is the server model alone by Eq. 7 and is left out of the global mean (it would only
+  pull toward w_s), and a client whose group has no average yet receives the global model.
+
+Option beyond the paper: ``bootstrap_steps`` (default 0, the paper's start from a random
+model). With N > 0 the server first trains the random model on its labels alone for N SGD
+steps (Eq. 2, weak augmentation, the server's own optimiser at the constant base rate gamma;
+with ``persistent_momentum`` its buffers carry on into round 0), and that model is ``w^0``, as
+FedSEAL (Bian et al. Sec. 4.1.3) bootstraps. The rate is constant rather than annealed: a model
+annealed to a small rate sits where Nesterov SGD restarted at gamma diverges (measured on
+MNIST-5k: the server's loss went from 0.03 to 7.9 within round 0). The option exists for short
+runs: from a random model the global model is too unsure for any client sample to pass
+tau = 0.95, the clients return the model they received (up to weight decay and momentum), and
+Eq. 5 only dilutes the server's step by 1/(C_k + 1); the paper's budget is ~19,200 rounds of
+T = 16 on CIFAR-10. Bootstrapped on MNIST-5k the pseudo-labels flow, and CRL then collapses into
+one class within round 0 (measurements in ``configs/mnist5k/fedavg_ssl_bootstrap.yaml``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .. import seeding
 from ..aggregation import fedavg_with_server, grouping_average, weight_diversity
 from ..config import ConfigError
 from ..ssl import masked_consistency_loss
-from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state, make_optimizer, set_lr
+from ..training import (
+    BatchStream,
+    InputPipeline,
+    cosine_lr,
+    cpu_state,
+    load_momentum_buffers,
+    make_optimizer,
+    momentum_buffers,
+    set_lr,
+    supervised_steps,
+)
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
 from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
@@ -40,7 +92,7 @@ from .registry import register_algorithm
 
 @dataclass
 class FedAvgSSLConfig(AlgorithmConfig):
-    """Hyper-parameters of the SSFL benchmark (Zhang et al. Sec. 3.3, 4).
+    """Hyper-parameters of the SSFL benchmark (Zhang et al. Sec. 3.3, 4, Appendix A.3).
 
     Attributes
     ----------
@@ -51,9 +103,22 @@ class FedAvgSSLConfig(AlgorithmConfig):
     num_groups : int
         S, the number of groups for ``grouping`` (paper: 2 on CIFAR-10/SVHN, 5 on EMNIST).
     regroup : str
-        ``fixed`` (client_id mod S, the authors' code) or ``random`` (new groups every round).
+        ``fixed`` (contiguous blocks of client ids, the authors' code) or ``random`` (new
+        groups every round).
     threshold : float
         tau, the pseudo-label confidence threshold (0.95).
+    nesterov : bool
+        Nesterov momentum (default True: the authors' code; the paper only says "SGD with
+        momentum"). False: plain momentum.
+    persistent_momentum : bool
+        Momentum buffers persist per party across rounds (default True: the authors' code; the
+        paper is silent). False: every party starts each round with a fresh optimiser.
+    average_buffers : bool
+        False (default, the authors' code; the paper is silent): only parameters are averaged,
+        every model keeps its own BatchNorm statistics. True: all floating tensors are averaged.
+    bootstrap_steps : int
+        Server-only SGD steps on the labels before round 0 (default 0: the paper's random start;
+        > 0 is an option beyond the paper, FedSEAL Sec. 4.1.3's bootstrapping).
     """
 
     user_loss: str = "crl"
@@ -61,9 +126,13 @@ class FedAvgSSLConfig(AlgorithmConfig):
     num_groups: int = 2
     regroup: str = "fixed"
     threshold: float = 0.95
+    nesterov: bool = True
+    persistent_momentum: bool = True
+    average_buffers: bool = False
+    bootstrap_steps: int = 0
 
     def check(self, cfg) -> None:
-        """Cross-checks against the experiment config."""
+        """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
         choices = {
             "user_loss": ("crl", "self_training"),
             "averaging": ("fedavg", "grouping"),
@@ -71,13 +140,20 @@ class FedAvgSSLConfig(AlgorithmConfig):
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
-                raise ConfigError(
-                    f"ssfl_args.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}"
-                )
+                raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"ssfl_args.threshold: {self.threshold} must lie in [0, 1]")
         if self.num_groups < 1:
             raise ConfigError("ssfl_args.num_groups: must be >= 1")
+        if self.bootstrap_steps < 0:
+            raise ConfigError(
+                f"ssfl_args.bootstrap_steps: {self.bootstrap_steps} must be >= 0 (0 = the paper's random start)"
+            )
+        if self.nesterov and cfg.train_args.momentum <= 0:
+            raise ConfigError(
+                f"ssfl_args.nesterov: Nesterov momentum needs train_args.momentum > 0 (it is "
+                f"{cfg.train_args.momentum}); set ssfl_args.nesterov: false or a positive momentum"
+            )
         ck = cfg.train_args.client_num_per_round
         if self.averaging == "grouping" and self.num_groups > ck:
             raise ConfigError(
@@ -96,20 +172,84 @@ class FedAvgSSL(GlobalModelAlgorithm):
     def setup(self) -> None:
         super().setup()
         self.group_states: dict[int, dict[str, torch.Tensor]] = {}
+        self.server_momentum: dict[str, torch.Tensor] = {}
+        self.bootstrapped = self.config.bootstrap_steps == 0
+        self._param_names: list[str] | None = None
+
+    # ---- shared ------------------------------------------------------------------------
+    def parameter_names(self) -> list[str]:
+        """State-dict keys of the model's parameters (what is averaged by default)."""
+        if self._param_names is None:
+            with torch.random.fork_rng(devices=[]):  # building a model must not move the seeded streams
+                self._param_names = [name for name, _ in self.model_fn().named_parameters()]
+        return self._param_names
+
+    def optimizer(self, model: nn.Module, buffers: dict[str, torch.Tensor]) -> torch.optim.SGD:
+        """SGD (Nesterov by default) continuing the momentum ``buffers`` when they persist."""
+        opt = make_optimizer(model, self.train, nesterov=self.config.nesterov)
+        if self.config.persistent_momentum:
+            load_momentum_buffers(opt, model, buffers)
+        return opt
 
     def group_of(self, client_id: int, chosen: list[int], round_idx: int) -> int:
-        """The group of ``client_id`` this round (fixed by id, or a seeded random deal)."""
+        """The group of ``client_id`` this round: fixed contiguous id blocks, or a seeded deal."""
         s = self.config.num_groups
         if self.config.regroup == "fixed":
-            return client_id % s
+            return client_id * s // max(self.train.num_clients, 1)
         order = sorted(chosen)
-        perm = torch.randperm(
-            len(order), generator=seeding.generator(self.seed, "groups", round_idx)
-        ).tolist()
+        perm = torch.randperm(len(order), generator=seeding.generator(self.seed, "groups", round_idx)).tolist()
         return perm.index(order.index(client_id)) % s
 
+    # ---- server ------------------------------------------------------------------------
+    def bootstrap(self) -> None:
+        """``w^0`` from ``bootstrap_steps`` server-only steps (an option; FedSEAL Sec. 4.1.3).
+
+        The server's own optimiser at the constant base rate gamma; with persistent momentum
+        its buffers carry on into round 0, so the bootstrap is a server-only prefix of the run.
+        """
+        steps = self.config.bootstrap_steps
+        model = self.scratch_model(self.global_state, self.device, slot="server")
+        settings = dataclasses.replace(self.train, local_steps=steps, comm_round=1, lr_schedule="constant")
+        opt = self.optimizer(model, {})
+        supervised_steps(
+            model,
+            InputPipeline(self.data_info, self.device),
+            self.server_data.images,
+            self.server_data.labels,
+            self.server_data.labeled_idx,
+            settings,
+            0,
+            seeding.generator(self.seed, "bootstrap"),
+            party="the server (bootstrapping)",
+            steps=steps,
+            optimizer=opt,
+        )
+        if self.config.persistent_momentum:
+            self.server_momentum = momentum_buffers(opt, model)
+        self.global_state = cpu_state(model)
+        self.bootstrapped = True
+
     def server_step(self, round_idx: int) -> None:
-        self._server_state = self.train_on_server_labels(self.global_state, round_idx)
+        """Eq. 2: T supervised steps from ``w_avg`` on the server's labels (momentum kept)."""
+        if not self.bootstrapped:
+            self.bootstrap()
+        model = self.scratch_model(self.global_state, self.device, slot="server")
+        opt = self.optimizer(model, self.server_momentum)
+        supervised_steps(
+            model,
+            InputPipeline(self.data_info, self.device),
+            self.server_data.images,
+            self.server_data.labels,
+            self.server_data.labeled_idx,
+            self.train,
+            round_idx,
+            seeding.generator(self.seed, "server", round_idx),
+            party="the server",
+            optimizer=opt,
+        )
+        if self.config.persistent_momentum:
+            self.server_momentum = momentum_buffers(opt, model)
+        self._server_state = cpu_state(model)
 
     def message_for(self, client_id: int, round_idx: int) -> Message:
         if self.config.averaging == "grouping" and self.config.regroup == "fixed":
@@ -119,13 +259,22 @@ class FedAvgSSL(GlobalModelAlgorithm):
 
     # ---- client ------------------------------------------------------------------------
     def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        """T steps of Eq. 6 (CRL) or Eq. 3 (self-training) from the received model.
+
+        ``state`` holds the client's momentum buffers (``persistent_momentum``) and its own
+        BatchNorm statistics (``average_buffers: false``), both carried to its next round.
+        """
         if data.num_unlabeled == 0:
             return Message()
-        model = self.scratch_model(msg.weights, ctx.device)
+        cfg = self.config
+        weights = dict(msg.weights)
+        if not cfg.average_buffers:
+            weights.update(state.get("buffers", {}))  # the client's own BN statistics, not the server's
+        model = self.scratch_model(weights, ctx.device)
         model.train()
         pipeline = InputPipeline(self.data_info, ctx.device)
         gen = ctx.generator(data.client_id)
-        opt = make_optimizer(model, self.train)
+        opt = self.optimizer(model, state.get("momentum", {}))
         stream = BatchStream(data.unlabeled_idx, self.train.batch_size, gen)
         party = client_party(data.client_id)
         loss_sum = mask_sum = correct = kept = 0.0
@@ -133,14 +282,15 @@ class FedAvgSSL(GlobalModelAlgorithm):
             set_lr(opt, cosine_lr(self.train, ctx.round_idx * self.train.local_steps + s))
             batch = next(stream)
             weak = pipeline.weak(data.images[batch], gen)
-            if self.config.user_loss == "crl":
-                logits = model(torch.cat([weak, pipeline.strong(data.images[batch], gen)]))
-                logits_weak, logits_train = logits.chunk(2)
+            if cfg.user_loss == "crl":
+                # Eq. 6: alpha(x) and A(x) in one forward pass; the weak half gives the pseudo-label
+                strong = pipeline.strong(data.images[batch], gen)
+                logits_weak, logits_strong = model(torch.cat([weak, strong])).chunk(2)
+                logits_train = logits_strong
             else:
+                # Eq. 3: pseudo-label and cross-entropy on the same alpha(x)
                 logits_weak = logits_train = model(weak)
-            loss, pl = masked_consistency_loss(
-                logits_train, logits_weak.detach().softmax(dim=1), self.config.threshold
-            )
+            loss, pl = masked_consistency_loss(logits_train, logits_weak.detach().softmax(dim=1), cfg.threshold)
             check_finite(loss, ctx.round_idx, party)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -152,16 +302,26 @@ class FedAvgSSL(GlobalModelAlgorithm):
                 truth = data.labels[batch].to(pl.labels.device)
                 correct += float((pl.labels[pl.mask] == truth[pl.mask]).sum())
                 kept += n_kept
+        if cfg.persistent_momentum:
+            state["momentum"] = momentum_buffers(opt, model)
+        out = cpu_state(model)
+        if not cfg.average_buffers:
+            params = {name for name, _ in model.named_parameters()}
+            own = {k: v.clone() for k, v in out.items() if k not in params}
+            if own:
+                state["buffers"] = own
         steps = self.train.local_steps
         metrics = {"loss": loss_sum / steps, "mask_rate": mask_sum / steps}
         if kept:
             metrics["pseudo_acc"] = correct / kept
-        return Message(weights=cpu_state(model), num_samples=data.num_unlabeled, extras={"metrics": metrics})
+        return Message(weights=out, num_samples=data.num_unlabeled, extras={"metrics": metrics})
 
     # ---- server ------------------------------------------------------------------------
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
         live = {k: m for k, m in replies.items() if not m.is_empty}
         before = self.global_state
+        params = self.parameter_names()
+        keys = None if self.config.average_buffers else params
         participants = [self._server_state, *(m.weights for m in live.values())]
         if self.config.averaging == "grouping":
             chosen = sorted(live)
@@ -170,21 +330,28 @@ class FedAvgSSL(GlobalModelAlgorithm):
                 groups[self.group_of(k, chosen, round_idx)].append(live[k].weights)
             used = [g for g in groups if groups[g]]
             if used:
-                avgs, self.global_state = grouping_average(self._server_state, [groups[g] for g in used])
+                avgs, self.global_state = grouping_average(self._server_state, [groups[g] for g in used], keys=keys)
                 self.group_states = dict(zip(used, avgs))
             else:
                 self.global_state = self._server_state
         else:
-            self.global_state = fedavg_with_server(self._server_state, [m.weights for m in live.values()])
-        fc = [k for k in before if k.startswith("fc.")]
+            self.global_state = fedavg_with_server(self._server_state, [m.weights for m in live.values()], keys=keys)
+        fc = [k for k in params if k.startswith("fc.")]
         return {
-            "weight_diversity": weight_diversity(before, participants),
+            "weight_diversity": weight_diversity(before, participants, params),
             "weight_diversity_fc": weight_diversity(before, participants, fc) if fc else float("nan"),
         }
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "group_states": dict(self.group_states)}
+        return {
+            **super().state_dict(),
+            "group_states": dict(self.group_states),
+            "server_momentum": dict(self.server_momentum),
+            "bootstrapped": self.bootstrapped,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.group_states = state.get("group_states", {})
+        self.server_momentum = state.get("server_momentum", {})
+        self.bootstrapped = state.get("bootstrapped", True)
