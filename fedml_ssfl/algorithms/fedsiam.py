@@ -2,32 +2,56 @@
 
 Both label scenarios. Each client trains an *online* net and keeps a *target* net; the server
 keeps a global online net (the paper's ``G``, evaluated by default) and a global target net.
+Where the paper gives an equation it is the default; where it is silent the authors' public code
+(``zewei-long/fedsiam-pytorch``) decides, and the other reading is an option.
 
 Client update (Sec. 3.1, 3.2)
     * Loss (Eq. 7, labels-at-client): ``L + beta^k J`` with ``L`` the cross-entropy of the online
       net on the client's labeled data (Eq. 6) and ``J`` the consistency between
       ``f(x + eta; theta_s)`` (online, with gradient) and ``f(x + eta'; theta_t)`` (target, no
       gradient) over the labeled and unlabeled batch (``n' + m'`` samples, Eq. 4/5):
-      ``consistency: mse`` is Eq. 4 (:func:`~fedml_ssfl.ssl.consistency.softmax_mse`), ``kl`` is
+      ``consistency: mse`` is Eq. 4 as written, ``||.||^2`` summed over the C classes and
+      averaged over the samples (:func:`~fedml_ssfl.ssl.consistency.softmax_mse`); ``kl`` is
       Eq. 5 (:func:`~fedml_ssfl.ssl.consistency.kl_consistency`). Labels-at-server (Eq. 8): the
       clients minimise ``beta^k J`` only; a client's own data decides (no labels: no ``L``).
     * ``eta``, ``eta'``: two independent draws of the package's weak augmentation alpha() (the
       paper: "weak data augmentation ... random reflect, flip, ... crop"; Eq. 4 writes additive
       perturbations without fixing them).
-    * ``beta^k = beta_max * sigmoid_rampup(round, beta_rampup_rounds)`` (Table 4: phi_l = 10, the
-      authors' sigmoid ramp over 10 epochs, read here as rounds).
+    * The ramp counter (the paper: "we use the ramp-up technique with an upper EMA decay",
+      silent on what it counts; the authors' ``Update.py`` counts local epochs): a client in its
+      ``p``-th participation (1 on its first round), running ``E`` local epochs this round,
+      is at counter ``c = p E + e + 1`` during its local epoch ``e = 0 .. E - 1`` (the authors'
+      ``user_epoch * local_ep + iter + 1``, so ``c = E + 1`` on the first epoch it ever trains).
+      ``E = local_epochs`` when set (an epoch is then one pass over the client's unlabeled data,
+      labeled data when it has none); with ``local_epochs: null`` one round's
+      ``train_args.local_steps`` steps count as **one** local epoch (``E = 1``, ``c = p + 1``).
+    * ``beta^k = beta_max * sigmoid_rampup(c, phi_l)`` with ``phi_l = beta_rampup`` (Table 4:
+      10; the authors' ``sigmoid_rampup(user_epoch * local_ep + iter + 1, 10)``), constant
+      within a local epoch. ``beta_ramp_unit: round`` ramps over the global round index instead.
+      ``beta_max`` (the paper does not give it) defaults to the authors' effective weight on
+      Eq. 4 / 5: their ``softmax_mse_loss`` divides the class sum by C and their weight ramps to
+      1, so for ``mse`` the weight on Eq. 4's sum is ``1 / C`` (:meth:`FedSiamConfig.beta_weight`,
+      resolved from the data's number of classes at run time); their KL is not divided, so 1
+      for ``kl``.
     * Target = EMA of the online net after every SGD step (Eq. 9; Eq. 3 is the same):
       ``theta_t <- alpha theta_t + (1 - alpha) theta_s`` with the Mean-Teacher ramp
-      ``alpha_t = min(1 - 1/(t + 1), alpha_max)``, ``alpha_max = 0.999`` (Table 4, Table 7) and
-      ``t`` the step just taken, counted from 1 (:func:`ema_alpha`). Eq. 9 is applied to every
-      floating state tensor (parameters and BatchNorm running statistics); integer buffers are
-      copied from the online net. The target runs in train mode without gradient (dropout /
-      batch statistics act as part of the perturbation, as in Mean Teacher).
+      ``alpha = min(1 - 1/(c + 1), alpha_max)`` (:func:`ema_alpha`), ``alpha_max = 0.999``
+      (Table 4, Table 7), ``c`` the epoch counter above (``ramp_unit: epoch``, the authors'
+      ``update_ema_variables(..., global_step)``): alpha is constant within a local epoch; with
+      their R_L = 5 it is 6/7 = 0.857 on a client's first epoch and 30/31 = 0.968 on the last
+      epoch of its fifth round (a client takes part in about 5 of the paper's 50 rounds), far
+      below the 0.999 cap.
+      ``ramp_unit: step`` counts the client's SGD steps instead (``c`` = the step just taken,
+      1 for the first, across rounds). Eq. 9 is applied to every floating state tensor
+      (parameters and BatchNorm running statistics); integer buffers are copied from the online
+      net. The target runs in train mode without gradient (dropout / batch statistics act as
+      part of the perturbation, as in Mean Teacher).
     * FSM (Eq. 10) after local training, per layer ``j``:
       ``FSM[j] = ||theta_t[j] - theta_s[j]|| / ||theta_s[j]||`` (Euclidean norm over all floating
       tensors of the layer; :func:`fsm`). A *layer* is one module of the model: the state keys
       sharing a prefix (``conv1.weight`` and ``conv1.bias`` form ``conv1``;
-      :func:`layer_groups`), i.e. the paper's V layers.
+      :func:`layer_groups`), i.e. the paper's V layers (the authors' ``mnist_add`` /
+      ``cifar_add`` likewise merge a layer's weight and bias).
 
 Upload rule (Sec. 3.3, 3.3.2; derived, see "Deviations")
     A client always uploads its whole target net (under the model's own keys) and, in addition,
@@ -64,24 +88,34 @@ Server (Sec. 2.2, 3.3.2)
       phi_g = 3 (linear) / 10 (rectangle), varphi_g = 40, mu = 0.5.
     * Labels-at-server (Sec. 2.2, Eq. 8 first line): after aggregation the server minimises
       ``L`` on its labels: ``train_args.local_steps`` weak-augmentation SGD steps on the global
-      online net (:meth:`~fedml_ssfl.algorithms.common.GlobalModelAlgorithm.train_on_server_labels`,
-      run at the start of the next round and once more after the last round,
-      :meth:`FedSiam.finalize`). The global target is left as aggregated (the clients' EMA
-      carries the server's update into their targets), except where alpha = 0 (Pi, and
-      FedSiam-D's first phase), where the target *is* the online net and takes its value.
+      online net (:meth:`FedSiam._server_update`, run at the start of the next round and once
+      more after the last round, :meth:`FedSiam.finalize`), and after each of those steps the
+      global target follows the global online net by Eq. 9 (the authors' labels-at-server
+      ``fedsiam-mt-main.py`` calls ``update_ema_variables(model_glob, model_glob_ema, ...)``
+      after every server step). The server's counter is the authors' global server step
+      ``q = u T + s`` (``u`` the server update's index: the round, ``comm_round`` for the final
+      one; ``s = 0 .. T - 1``; their ``iter * len(train_loader_labeled) + batch_idx``), so
+      ``alpha = min(1 - 1/(q + 1), alpha_max)`` is 0 on the very first server step (the
+      target starts as the server's online net) and grows by step; Pi's alpha is 0 (target =
+      online).
 
-Variants (``variant``; Sec. 4.1 and the Remark of Sec. 3.3.3)
+Variants (``variant``; Sec. 4.1, 4.3 and the Remark of Sec. 3.3.3)
     ========  ======================  ==========================================
     variant   tau                     alpha
     ========  ======================  ==========================================
     ``pi``    0                       0 (target = online after every step)
-    ``mt``    1                       the ramp ``min(1 - 1/(t + 1), alpha_max)``
+    ``mt``    1                       the ramp ``min(1 - 1/(c + 1), alpha_max)``
     ``d``     Eq. 11 / Eq. 12         0 while ``R_g <= phi_g``, then the ramp
     ========  ======================  ==========================================
 
+    ``variant: null`` (default) is ``d`` in labels-at-client and ``mt`` in labels-at-server.
+    ``d`` is refused in labels-at-server: Sec. 4.3 says FedSiam-D "do[es] not fit this setting"
+    and evaluates only Pi and MT there (Table 6; the authors' labels-at-server code is MT).
+
 Client state (``state``, CPU/python only)
-    ``steps``: the client's optimisation steps over all rounds it took part in (the ``t`` of the
-    alpha ramp); with ``target_sync: false`` also ``target``: its own target net.
+    ``participations``: rounds the client has trained in (the ``p`` of the epoch counter);
+    ``steps``: its optimisation steps over all those rounds (the counter of ``ramp_unit:
+    step``); with ``target_sync: false`` also ``target``: its own target net.
 
 Deviations and choices where the paper is vague:
 
@@ -96,28 +130,29 @@ Deviations and choices where the paper is vague:
   alpha = 0 makes every FSM exactly 0 (the paper collects every round); until those rounds
   leave the window the boundary is therefore 0 and all online layers go up (with the paper's
   R_G = 50, phi_g = 3 tau is at or near 1 in those rounds anyway).
-* ``t`` counts each client's own steps across rounds (persisted in its state), so a client's
-  first steps ramp alpha from 0.5; the ramp caps at ``alpha_max`` after ``1/(1 - alpha_max) - 1``
-  steps (999 for 0.999).
+* One local epoch when ``local_epochs`` is null is one round's T steps (see the ramp counter);
+  the authors' counter starts at ``E + 1``, not 1, on a client's first epoch, and so does ours.
 * The target net is synchronised: a client starts each round's target from the global target
   (the paper: "it is necessary to synchronize the parameters of target and online nets across
   the different clients", and MT's target upload would otherwise be unused).
   ``target_sync: false`` keeps each client's target in its state instead (initialised from
   the global target on its first round; the global target is then only the source of borrowed
   layers). That stores one model per client in checkpoints.
-* Epochs are steps: ``train_args.local_steps`` per round, or ``local_epochs`` passes over the
-  client's unlabeled data (labeled data when it has none) when set (the paper: R_L = 5,
-  batch 10). Each step draws one labeled and one unlabeled batch of ``train_args.batch_size``.
-  The learning rate follows ``train_args.lr_schedule`` across the round's steps (the paper:
-  constant 0.01, momentum 0.9, weight decay 1e-4; set ``lr_schedule: constant``).
-* ``beta_max`` (the consistency weight after the ramp) is not given in the paper: 1.
+* Steps: ``train_args.local_steps`` per round, or ``local_epochs`` passes over the client's
+  unlabeled data (labeled data when it has none) when set (the paper: R_L = 5, batch 10). Each
+  step draws one labeled and one unlabeled batch of ``train_args.batch_size``. The learning
+  rate follows ``train_args.lr_schedule`` across the round's steps (the paper: constant 0.01,
+  momentum 0.9, weight decay 1e-4; set ``lr_schedule: constant``).
+* J stays Eq. 4's class sum (the paper's equation); the authors' ``/ num_classes`` is folded into
+  the default ``beta_max = 1 / C`` instead, so the default product ``beta J`` is theirs.
+* The server's labels-at-server step minimises ``L`` only (Eq. 8, first line); the authors'
+  server loop adds a consistency term against the global target, which is not followed.
 * Evaluation uses the global online net (the paper's G); ``eval_net: target`` evaluates the
   global target instead. In labels-at-server the accuracy logged after round t is that of the
   model broadcast in round t (the server trains at the round's start); the final evaluation
   includes the last round's clients and one more server update.
 * In labels-at-client the server only aggregates, as in the paper (any labels it holds,
   ``data_args.num_server_labels > 0``, are ignored, like FedMatch and the FedAvg baselines do).
-* The paper evaluates FedSiam-D only in labels-at-client (Sec. 4.3); it is offered in both.
 * Dropout (the paper's CIFAR/SVHN CNN has some) draws from torch's global stream, which the
   runtimes seed per (run seed, round, party) around every server step and client update
   (:func:`fedml_ssfl.seeding.global_stream`), so that dropout models resume exactly too.
@@ -136,6 +171,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .. import seeding
 from ..aggregation import weighted_average
 from ..config import ConfigError
 from ..ssl.consistency import kl_consistency, sigmoid_rampup, softmax_mse
@@ -145,6 +181,10 @@ from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 VARIANTS = ("pi", "mt", "d")
+DEFAULT_VARIANT = {"client": "d", "server": "mt"}
+"""``variant: null``: FedSiam-D where the paper runs it, MT at the server (Sec. 4.3, Table 6)."""
+RAMP_UNITS = ("epoch", "step")
+BETA_RAMP_UNITS = ("epoch", "round")
 CONSISTENCY_LOSSES = ("mse", "kl")
 TAU_SCHEDULES = ("linear", "rectangle")
 EVAL_NETS = ("online", "target")
@@ -162,9 +202,21 @@ FSM_EPS = 1e-12
 def ema_alpha(t: int, alpha_max: float) -> float:
     """The Mean-Teacher ramp of Eq. 9's alpha: ``min(1 - 1/(t + 1), alpha_max)``.
 
-    ``t`` is the number of the step just taken (1 for the first: alpha 0.5); ``t = 0`` gives 0.
+    ``t`` is the ramp counter: the client's local-epoch counter ``p E + e + 1``
+    (:func:`epoch_counter`, ``ramp_unit: epoch``), its step just taken (``ramp_unit: step``,
+    1 for the first: alpha 0.5) or the server's global step ``u T + s`` (0 for the first: 0).
     """
     return min(1.0 - 1.0 / (t + 1), alpha_max)
+
+
+def epoch_counter(participation: int, epochs: int, epoch: int) -> int:
+    """The authors' ramp counter ``user_epoch * local_ep + iter + 1`` (``Update.py``).
+
+    ``participation`` is the client's round count including this one (1 on its first round),
+    ``epochs`` its local epochs per round (``E``; 1 when a round is ``train_args.local_steps``
+    steps) and ``epoch`` the 0-based local epoch: ``c = p E + e + 1``.
+    """
+    return participation * epochs + epoch + 1
 
 
 def ema_pairs(target: nn.Module, online: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -294,9 +346,10 @@ class FedSiamConfig(AlgorithmConfig):
 
     Attributes
     ----------
-    variant : str
-        ``d`` (FedSiam-D, default: tau by the schedule, alpha 0 until ``phi_g``), ``mt``
-        (tau = 1, alpha ramped) or ``pi`` (tau = 0, alpha = 0).
+    variant : str or None
+        ``d`` (FedSiam-D: tau by the schedule, alpha 0 until ``phi_g``), ``mt`` (tau = 1, alpha
+        ramped) or ``pi`` (tau = 0, alpha = 0); None: ``d`` in labels-at-client, ``mt`` in
+        labels-at-server. ``d`` is refused in labels-at-server (Sec. 4.3).
     consistency : str
         ``mse`` (Eq. 4, default; the paper's choice for MNIST/SVHN) or ``kl`` (Eq. 5).
     tau_schedule : str
@@ -312,22 +365,32 @@ class FedSiamConfig(AlgorithmConfig):
         Rounds of FSM values the server keeps (Sec. 3.3.2); None: ``phi_g`` (at least 1).
     alpha_max : float
         Cap of the EMA decay ramp (Table 4: 0.999).
-    beta_max : float
-        Consistency weight after the ramp-up (not given in the paper: 1).
-    beta_rampup_rounds : int
-        Length of the sigmoid ramp-up of beta^k in rounds (Table 4: phi_l = 10); 0: no ramp.
+    ramp_unit : str
+        What the alpha ramp of Eq. 9 counts on a client: ``epoch`` (default, the authors' local
+        epoch counter :func:`epoch_counter`) or ``step`` (the client's SGD steps).
+    beta_max : float or None
+        Consistency weight after the ramp-up (not given in the paper); None: the authors'
+        effective weight, ``1 / C`` for ``mse`` (their MSE divides Eq. 4's class sum by the C
+        classes) and 1 for ``kl`` (:meth:`beta_weight`).
+    beta_rampup : int
+        Length phi_l of the sigmoid ramp-up of beta^k (Table 4: 10), in ``beta_ramp_unit``;
+        0: no ramp.
+    beta_ramp_unit : str
+        What the beta ramp counts: ``epoch`` (default, the authors' local epoch counter, as the
+        alpha ramp) or ``round`` (the global round index).
     consistency_on_labeled : bool
         Apply J to the labeled batch as well (Eq. 4/5 sum over n' + m'; default true).
     target_sync : bool
         Clients start from the global target each round (default); false keeps each client's
         own target net in its state.
     local_epochs : int or None
-        Passes over the client's unlabeled data per round; None: ``train_args.local_steps``.
+        Passes over the client's unlabeled data per round; None: ``train_args.local_steps``
+        steps, counted as one local epoch by the ramps.
     eval_net : str
         Which global net is evaluated and exported: ``online`` (the paper's G) or ``target``.
     """
 
-    variant: str = "d"
+    variant: str | None = None
     consistency: str = "mse"
     tau_schedule: str = "linear"
     phi_g: int | None = None
@@ -335,31 +398,47 @@ class FedSiamConfig(AlgorithmConfig):
     mu: float = 0.5
     window_rounds: int | None = None
     alpha_max: float = 0.999
-    beta_max: float = 1.0
-    beta_rampup_rounds: int = 10
+    ramp_unit: str = "epoch"
+    beta_max: float | None = None
+    beta_rampup: int = 10
+    beta_ramp_unit: str = "epoch"
     consistency_on_labeled: bool = True
     target_sync: bool = True
     local_epochs: int | None = None
     eval_net: str = "online"
 
+    def resolve_variant(self, label_scenario: str) -> str:
+        """Fill ``variant: null`` for ``label_scenario``; refuse FedSiam-D at the server (Sec. 4.3)."""
+        if self.variant is None:
+            self.variant = DEFAULT_VARIANT.get(label_scenario, "d")
+        if self.variant == "d" and label_scenario == "server":
+            raise ConfigError(
+                "ssfl_args.variant: d (FedSiam-D) does not fit labels-at-server (Long et al. Sec. 4.3 "
+                "evaluates only Pi and MT there); set ssfl_args.variant to pi or mt"
+            )
+        return self.variant
+
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
         for key, allowed in (
-            ("variant", VARIANTS),
+            ("variant", (*VARIANTS, None)),
             ("consistency", CONSISTENCY_LOSSES),
             ("tau_schedule", TAU_SCHEDULES),
             ("eval_net", EVAL_NETS),
+            ("ramp_unit", RAMP_UNITS),
+            ("beta_ramp_unit", BETA_RAMP_UNITS),
         ):
             value = getattr(self, key)
             if value not in allowed:
-                raise ConfigError(f"ssfl_args.{key}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
+                names = ", ".join(a for a in allowed if a is not None)
+                raise ConfigError(f"ssfl_args.{key}: {value!r} is not allowed; choose one of {names}")
         for key in ("mu", "alpha_max"):
             value = getattr(self, key)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"ssfl_args.{key}: {value} must lie in [0, 1]")
-        if self.beta_max < 0:
-            raise ConfigError(f"ssfl_args.beta_max: {self.beta_max} must be >= 0")
-        for key in ("beta_rampup_rounds", "varphi_g"):
+        if self.beta_max is not None and self.beta_max < 0:
+            raise ConfigError(f"ssfl_args.beta_max: {self.beta_max} must be >= 0 (or null for the authors' weight)")
+        for key in ("beta_rampup", "varphi_g"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be >= 0")
         if self.phi_g is not None and self.phi_g < 0:
@@ -374,6 +453,7 @@ class FedSiamConfig(AlgorithmConfig):
                 f"({self.first_tipping_point}) for the rectangle curve (Eq. 12)"
             )
         d = cfg.data_args
+        self.resolve_variant(d.label_scenario)
         if d.label_scenario == "server" and d.num_server_labels <= 0:
             raise ConfigError(
                 "data_args.num_server_labels: fedsiam in labels-at-server trains the global model on the "
@@ -424,12 +504,18 @@ class FedSiamConfig(AlgorithmConfig):
         return round_idx + 1 > self.first_tipping_point
 
     def alpha(self, round_idx: int, t: int) -> float:
-        """Eq. 9's alpha for the client's ``t``-th step (1-based) in round ``round_idx``."""
+        """Eq. 9's alpha in round ``round_idx`` at ramp counter ``t`` (:func:`ema_alpha`)."""
         return ema_alpha(t, self.alpha_max) if self.ema_active(round_idx) else 0.0
 
-    def beta(self, round_idx: int) -> float:
-        """beta^k of Eq. 7/8 in round ``round_idx``: a sigmoid ramp-up to ``beta_max``."""
-        return self.beta_max * sigmoid_rampup(round_idx, self.beta_rampup_rounds)
+    def beta_weight(self, num_classes: int) -> float:
+        """``beta_max`` resolved: the authors' ``1 / C`` for ``mse``, 1 for ``kl`` when null."""
+        if self.beta_max is not None:
+            return self.beta_max
+        return 1.0 / num_classes if self.consistency == "mse" else 1.0
+
+    def beta(self, counter: int, num_classes: int) -> float:
+        """beta^k of Eq. 7/8 at ramp counter ``counter`` (epoch counter or round index)."""
+        return self.beta_weight(num_classes) * sigmoid_rampup(counter, self.beta_rampup)
 
 
 # ---- the algorithm -----------------------------------------------------------------------------------
@@ -448,6 +534,7 @@ class FedSiam(GlobalModelAlgorithm):
     # ---- server ----------------------------------------------------------------------------------
     def setup(self) -> None:
         super().setup()
+        self.config.resolve_variant(self.server_data.label_scenario)
         self.global_target: dict[str, torch.Tensor] = dict(self.global_state)
         self.agg_online: dict[str, torch.Tensor] = dict(self.global_state)
         self.agg_target: dict[str, torch.Tensor] = dict(self.global_state)
@@ -455,6 +542,7 @@ class FedSiam(GlobalModelAlgorithm):
         self.window = FSMWindow(self.config.window_length)
         self.server_trains = self.server_data.label_scenario == "server" and self.server_data.labeled_idx.numel() > 0
         self.tau_now, self.boundary_now = 0.0, math.inf
+        self.server_alpha = 0.0
 
     @property
     def sends_online(self) -> bool:
@@ -467,18 +555,43 @@ class FedSiam(GlobalModelAlgorithm):
             if slot not in self._scratch:
                 self._scratch[slot] = self.model_fn()
 
-    def _server_update(self, round_idx: int) -> None:
-        """Eq. 8, first line: ``train_args.local_steps`` supervised steps on the aggregated online net."""
-        self._ensure_scratch("server")
-        self.global_state = self.train_on_server_labels(self.agg_online, round_idx)
-        # alpha = 0 makes the target the online net; otherwise the target stays as aggregated
-        self.global_target = dict(self.global_state) if not self.config.ema_active(round_idx) else dict(self.agg_target)
+    def _server_update(self, round_idx: int, update_idx: int) -> None:
+        """Eq. 8, first line, on the aggregated online net; Eq. 9 on the global target after each step.
+
+        ``train_args.local_steps`` weak-augmentation cross-entropy steps on the server's labels
+        (the steps of :func:`~fedml_ssfl.training.supervised_steps`, random streams included,
+        written out here for the per-step EMA). After step ``s`` the global target takes
+        ``alpha = min(1 - 1/(q + 1), alpha_max)`` with ``q = update_idx * T + s`` (the authors'
+        server counter, 0 on the first server step); Pi's alpha is 0 (target = online).
+        """
+        self._ensure_scratch("server", "server_target")
+        T = self.train.local_steps
+        online = self.scratch_model(self.agg_online, self.device, slot="server")
+        target = self.scratch_model(self.agg_target, self.device, slot="server_target")
+        online.train()
+        pipeline = InputPipeline(self.data_info, self.device)
+        gen = seeding.generator(self.seed, "server", round_idx)
+        opt = make_optimizer(online, self.train)
+        stream = BatchStream(self.server_data.labeled_idx, self.train.batch_size, gen)
+        pairs = ema_pairs(target, online)
+        for s in range(T):
+            set_lr(opt, cosine_lr(self.train, round_idx * T + s))
+            batch = next(stream)
+            x = pipeline.weak(self.server_data.images[batch], gen)
+            loss = F.cross_entropy(online(x), self.server_data.labels[batch].to(self.device))  # L, Eq. 8
+            check_finite(loss, round_idx, "the server")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            self.server_alpha = self.config.alpha(round_idx, update_idx * T + s)
+            ema_update(pairs, self.server_alpha)  # Eq. 9 on the global pair
+        self.global_state, self.global_target = cpu_state(online), cpu_state(target)
 
     def server_step(self, round_idx: int) -> None:
         self.tau_now = self.config.tau(round_idx, self.train.comm_round)
         self.boundary_now = self.window.boundary(self.tau_now)
         if self.server_trains:
-            self._server_update(round_idx)
+            self._server_update(round_idx, round_idx)
 
     def message_for(self, client_id: int, round_idx: int) -> Message:
         weights = dict(self.global_target)
@@ -490,6 +603,8 @@ class FedSiam(GlobalModelAlgorithm):
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
         live = [m for m in replies.values() if not m.is_empty]
         metrics: dict[str, float] = {"clients_sent": float(len(live)), "tau": self.tau_now}
+        if self.server_trains:
+            metrics["server_alpha"] = self.server_alpha
         if self.config.variant == "d" and 0.0 < self.tau_now:
             metrics["boundary"] = self.boundary_now
         if self.config.variant == "d":
@@ -517,7 +632,7 @@ class FedSiam(GlobalModelAlgorithm):
     def finalize(self) -> None:
         """Labels-at-server: one more server update on the last round's aggregate (the final G)."""
         if self.server_trains:
-            self._server_update(self.train.comm_round - 1)
+            self._server_update(self.train.comm_round - 1, self.train.comm_round)
 
     def global_model(self) -> nn.Module:
         if self._eval_model is None:
@@ -543,12 +658,21 @@ class FedSiam(GlobalModelAlgorithm):
         self.window.load_state_dict(state["window"])
 
     # ---- client ----------------------------------------------------------------------------------
+    def local_epochs(self, data: ClientData) -> tuple[int, int]:
+        """(E, steps per local epoch) this round.
+
+        ``local_epochs`` passes over the client's unlabeled data (labeled when it has none), or,
+        with ``local_epochs: null``, one epoch of ``train_args.local_steps`` steps.
+        """
+        if self.config.local_epochs is None:
+            return 1, self.train.local_steps
+        n = data.num_unlabeled or data.num_labeled
+        return self.config.local_epochs, math.ceil(n / min(self.train.batch_size, n))
+
     def local_steps(self, data: ClientData) -> int:
         """Steps this round: ``train_args.local_steps``, or ``local_epochs`` passes over the main data."""
-        if self.config.local_epochs is None:
-            return self.train.local_steps
-        n = data.num_unlabeled or data.num_labeled
-        return self.config.local_epochs * math.ceil(n / min(self.train.batch_size, n))
+        epochs, per_epoch = self.local_epochs(data)
+        return epochs * per_epoch
 
     def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
         if data.num_labeled + data.num_unlabeled == 0:
@@ -570,17 +694,22 @@ class FedSiam(GlobalModelAlgorithm):
         bs = self.train.batch_size
         lab_stream = BatchStream(data.labeled_idx, bs, gen) if n_lab else None
         unl_stream = BatchStream(data.unlabeled_idx, bs, gen) if n_unl else None
-        steps = self.local_steps(data)
+        epochs, per_epoch = self.local_epochs(data)
+        steps = epochs * per_epoch
         opt = make_optimizer(online, self.train)
         pairs = ema_pairs(target, online)
         consistency = softmax_mse if cfg.consistency == "mse" else kl_consistency
-        beta = cfg.beta(round_idx)
+        num_classes = self.data_info.num_classes
         party = client_party(data.client_id)
         t = int(state.get("steps", 0))
+        participation = int(state.get("participations", 0)) + 1  # the authors' user_epoch
         T = self.train.local_steps
         totals = {"loss": 0.0, "ce": 0.0, "consistency": 0.0}
-        alpha = 0.0
+        alpha = beta = 0.0
+        counter = 0
         for s in range(steps):
+            counter = epoch_counter(participation, epochs, s // per_epoch)  # constant within an epoch
+            beta = cfg.beta(counter if cfg.beta_ramp_unit == "epoch" else round_idx, num_classes)
             set_lr(opt, cosine_lr(self.train, round_idx * T + (s * T) // steps))
             x_online, x_target = [], []
             n_sup, labels = 0, None
@@ -612,10 +741,10 @@ class FedSiam(GlobalModelAlgorithm):
             loss.backward()
             opt.step()
             t += 1
-            alpha = cfg.alpha(round_idx, t)
+            alpha = cfg.alpha(round_idx, counter if cfg.ramp_unit == "epoch" else t)
             ema_update(pairs, alpha)  # Eq. 9
             totals["loss"] += float(loss.detach())
-        state["steps"] = t
+        state["steps"], state["participations"] = t, participation
         target_state, online_state = cpu_state(target), cpu_state(online)
         if not cfg.target_sync:
             state["target"] = target_state
@@ -635,6 +764,7 @@ class FedSiam(GlobalModelAlgorithm):
         metrics.update(
             beta=beta,
             alpha=alpha,
+            ramp_counter=float(counter),
             steps_total=float(t),
             fsm_mean=float(divergence.mean()),
             fsm_max=float(divergence.max()),
