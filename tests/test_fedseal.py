@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from fedml_ssfl.algorithms.base import ClientContext, ClientData, DataInfo, ServerData, TrainSettings
@@ -22,7 +23,7 @@ from fedml_ssfl.config import ConfigError, validate
 from fedml_ssfl.models import build_model
 from fedml_ssfl.runtime.local import run_local
 from fedml_ssfl.ssl.negative import complementary_loss, sample_complementary_labels
-from fedml_ssfl.training import InputPipeline
+from fedml_ssfl.training import InputPipeline, cosine_lr
 from tests.conftest import resume_matches_uninterrupted
 
 
@@ -245,15 +246,18 @@ def _digits_run(tmp_path, name: str, **ssfl):
 def test_fedseal_end_to_end_beats_the_server_alone(tmp_path) -> None:
     # Control: thresholds no sample can pass (theta 0, tau 1) leave the clients with empty
     # sets, so they send nothing and the same schedule is server-only training from the
-    # same bootstrap (measured 83.8%). FedSEAL's clients must add to it (measured 91.4%).
+    # same bootstrap (measured 83.8%). FedSEAL's clients must add to it (measured 88.9% with the
+    # paper's per-round decay, 90.3% with the cosine on top). On this short run the Sec. 5.2
+    # ablations do as well (no negatives 89.7%, no ensemble 90.0%): the tests above guard those
+    # mechanisms exactly, this one only that the clients' training helps.
     result, rows = _digits_run(tmp_path, "fedseal")
     control, control_rows = _digits_run(tmp_path, "control", theta=0.0, fixed_threshold=1.0)
     assert rows[0]["test_acc"] == control_rows[0]["test_acc"]  # the same bootstrap and first update
     assert all(r["bytes_up"] == 0 for r in control_rows) and all(r["bytes_up"] > 0 for r in rows)
     assert rows[-1]["client_mask_rate"] > 0.3 and rows[-1]["client_neg_rate"] > 0.3
     assert rows[-1]["client_pseudo_acc"] > 0.9 and rows[-1]["client_neg_label_acc"] > 0.97
-    assert result.final_acc >= 0.88, (control.final_acc, result.final_acc)
-    assert result.final_acc >= control.final_acc + 0.04, (control.final_acc, result.final_acc)
+    assert result.final_acc >= 0.86, (control.final_acc, result.final_acc)
+    assert result.final_acc >= control.final_acc + 0.03, (control.final_acc, result.final_acc)
 
 
 def test_fedseal_resume_is_exact(tmp_path) -> None:
@@ -267,3 +271,235 @@ def test_fedseal_resume_is_exact(tmp_path) -> None:
     )
     a, _ = resume_matches_uninterrupted(cfg, tmp_path)  # global model and every client's ensemble
     assert any(cs.get("ensemble") is not None for cs in a["client_states"].values())
+
+
+# ---- the mechanisms inside the algorithm's own code path ----------------------------------------
+# The tests above check the helpers; these drive server_step / client_update with hand-made
+# messages and fail when the algorithm stops using a mechanism or feeds it the wrong thing.
+INFO = DataInfo(num_classes=3, in_channels=1, image_size=8, mean=(0.5,), std=(0.25,), flip=False)
+CPU = torch.device("cpu")
+
+
+class _Linear(nn.Module):
+    """Softmax regression on the 64 pixels: varied, class-balanced predictions on noise images."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.flatten(1))
+
+
+def _model(seed: int = 0, scale: float = 1.0) -> nn.Module:
+    """A random model; ``scale`` sharpens its softmax."""
+    torch.manual_seed(seed)
+    model = _Linear()
+    with torch.no_grad():
+        model.fc.weight.mul_(scale)
+    return model
+
+
+def _setup(train: dict | None = None, **cfg):
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (80, 1, 8, 8), generator=gen, dtype=torch.uint8)
+    labels = torch.randint(0, 3, (80,), generator=gen)
+    server = ServerData(images, labels, torch.arange(0, 10), torch.arange(10, 30), 3)
+    settings = {"local_steps": 1, "batch_size": 64, "comm_round": 10, **(train or {})}
+    algo = FedSEAL(
+        FedSEALConfig(**cfg),
+        _Linear,
+        server,
+        INFO,
+        TrainSettings(**settings),
+        CPU,
+        0,
+    )
+    algo.setup()
+    return algo, ClientData(0, images, labels, torch.arange(30, 80), torch.arange(0), 3)
+
+
+def _probs(model, data: ClientData) -> torch.Tensor:
+    """p(x; w) on the client's unaugmented samples, computed here independently of the algorithm."""
+    model.eval()
+    with torch.no_grad():
+        return model(InputPipeline(INFO, CPU).plain(data.images[data.unlabeled_idx])).softmax(dim=1)
+
+
+class _Spy:
+    """Records, per local step, which client samples (in batch order) the positive loss (on A(x))
+    and the negative loss (on plain x) train on, and the complementary labels of that step."""
+
+    def __init__(self, monkeypatch, images: torch.Tensor):
+        import fedml_ssfl.algorithms.fedseal as fedseal_module
+
+        self.images, self.pos, self.neg, self.neg_labels = images.flatten(1), [], [], []
+        strong, plain, comp = InputPipeline.strong, InputPipeline.plain, fedseal_module.complementary_loss
+
+        def spy_strong(pipe, x, generator):
+            self.pos.append(self._ids(x))
+            return strong(pipe, x, generator)
+
+        def spy_plain(pipe, x):
+            if torch.is_grad_enabled():  # training, not the no-grad prediction pass
+                self.neg.append(self._ids(x))
+            return plain(pipe, x)
+
+        def spy_comp(logits, neg_labels, *args, **kwargs):
+            self.neg_labels.append(neg_labels.tolist())
+            return comp(logits, neg_labels, *args, **kwargs)
+
+        monkeypatch.setattr(InputPipeline, "strong", spy_strong)
+        monkeypatch.setattr(InputPipeline, "plain", spy_plain)
+        monkeypatch.setattr(fedseal_module, "complementary_loss", spy_comp)
+
+    def _ids(self, x: torch.Tensor) -> list[int]:
+        return [int((self.images == row).all(dim=1).nonzero().item()) for row in x.flatten(1)]
+
+    def sets(self) -> tuple[list[set[int]], list[set[int]]]:
+        return [set(b) for b in self.pos], [set(b) for b in self.neg]
+
+    def reset(self) -> None:
+        self.pos, self.neg, self.neg_labels = [], [], []
+
+
+def _expected_sets(ens: torch.Tensor, tau: torch.Tensor, theta: float, data: ClientData):
+    """Eq. 10 and 12 by hand: the ids of the positive and the negative set."""
+    conf, arg = ens.max(dim=1)
+    pos = conf >= tau[arg]
+    neg = (ens <= theta).any(dim=1) & ~pos
+    ids = data.unlabeled_idx
+    return {int(i) for i in ids[pos]}, {int(i) for i in ids[neg]}
+
+
+def _message(model, tau: torch.Tensor):
+    from fedml_ssfl.algorithms.base import Message
+
+    return Message(weights={k: v.clone() for k, v in model.state_dict().items()}, extras={"thresholds": tau})
+
+
+def _row(data: ClientData) -> dict[int, int]:
+    return {int(i): r for r, i in enumerate(data.unlabeled_idx)}
+
+
+def test_server_sends_the_eq5_thresholds_of_the_model_it_sends() -> None:
+    algo, _ = _setup(bootstrap_steps=3, server_steps=2)
+    algo.server_step(0)
+    msg = algo.message_for(0, 0)
+    model = _Linear()
+    model.load_state_dict(msg.weights)
+    sd = algo.server_data
+    val = ClientData(0, sd.images, sd.labels, sd.val_idx, torch.arange(0), 3)
+    expected = classwise_thresholds(_probs(model, val), sd.labels[sd.val_idx], 3)
+    assert torch.allclose(msg.extras["thresholds"], expected)
+    assert not torch.allclose(expected, torch.ones(3))
+
+
+def test_client_positive_set_uses_the_classwise_thresholds(monkeypatch) -> None:
+    # Eq. 10: y+ = argmax p_bar, kept where p_bar_{y+} >= tau_{y+} (class-wise); Eq. 12: the
+    # negative set is the rest with some p_bar_m <= theta; Eq. 11: y- is such a class
+    algo, data = _setup(theta=0.2)
+    model = _model(1, scale=2.0)
+    probs = _probs(model, data)
+    conf, arg = probs.max(dim=1)
+    tau = torch.stack([conf[arg == c].median() for c in range(3)])
+    tau[0] = 0.0  # class 0: every sample predicted as 0 is positive
+    pos, neg = _expected_sets(probs, tau, 0.2, data)
+    assert pos and neg
+    for scalar in tau.tolist():  # the class-wise rule is not any one threshold for all classes
+        assert pos != _expected_sets(probs, torch.full((3,), scalar), 0.2, data)[0]
+    spy = _Spy(monkeypatch, data.images)
+    reply = algo.client_update(_message(model, tau), data, {}, ClientContext(0, CPU, 0))
+    assert spy.sets() == ([pos], [neg])  # one step, the whole of each set (batch 64 > 50 samples)
+    assert reply.extras["metrics"]["mask_rate"] == pytest.approx(len(pos) / 50)
+    row = _row(data)
+    (ids,), (labels,) = spy.neg, spy.neg_labels
+    assert all(probs[row[i], y] <= 0.2 for i, y in zip(ids, labels))
+
+
+def test_self_ensemble_is_carried_across_rounds_and_filters(monkeypatch) -> None:
+    # Eq. 8: the client's state holds the running mean of the received models' probabilities;
+    # round 2's sets come from (p1 + p2) / 2, not from the current model's p2
+    algo, data = _setup(theta=0.2)
+    tau = torch.full((3,), 0.6)
+    first, second = _model(1, scale=2.0), _model(2, scale=2.0)
+    p1, p2 = _probs(first, data), _probs(second, data)
+    state: dict = {}
+    spy = _Spy(monkeypatch, data.images)
+    algo.client_update(_message(first, tau), data, state, ClientContext(0, CPU, 0))
+    assert spy.sets() == ([_expected_sets(p1, tau, 0.2, data)[0]], [_expected_sets(p1, tau, 0.2, data)[1]])
+    spy.reset()
+    algo.client_update(_message(second, tau), data, state, ClientContext(1, CPU, 0))
+    assert state["ensemble_count"] == 2 and torch.allclose(state["ensemble"], (p1 + p2) / 2, atol=1e-6)
+    pos, neg = _expected_sets((p1 + p2) / 2, tau, 0.2, data)
+    current = _expected_sets(p2, tau, 0.2, data)
+    assert pos != current[0] and neg != current[1]  # the test tells the two apart
+    assert spy.sets() == ([pos], [neg])
+
+
+def test_negative_learning_lowers_the_complementary_probability(monkeypatch) -> None:
+    # Eq. 15: -log(1 - p_{y-}) on the negative set; descending it must LOWER each sample's p_{y-}
+    # (no positives: thresholds above 1; plain SGD, so the update is the loss's gradient)
+    algo, data = _setup(theta=0.2, train={"local_steps": 3, "learning_rate": 0.2, "momentum": 0.0})
+    model = _model(1, scale=2.0)
+    spy = _Spy(monkeypatch, data.images)
+    reply = algo.client_update(_message(model, torch.full((3,), 2.0)), data, {}, ClientContext(0, CPU, 0))
+    metrics = reply.extras["metrics"]
+    assert spy.pos == [] and len(spy.neg) == len(spy.neg_labels) == 3
+    assert metrics["mask_rate"] == 0.0 and metrics["neg_rate"] > 0.3
+    before = _probs(model, data)
+    trained = _model(0)
+    trained.load_state_dict(reply.weights)
+    after = _probs(trained, data)
+    row = _row(data)
+    ids, labels = spy.neg[0], spy.neg_labels[0]
+    p_before = torch.tensor([float(before[row[i], y]) for i, y in zip(ids, labels)])
+    p_after = torch.tensor([float(after[row[i], y]) for i, y in zip(ids, labels)])
+    assert metrics["loss"] == pytest.approx(float(-torch.log1p(-p_before).mean()), rel=0.2)
+    assert (p_after < p_before).float().mean() > 0.8 and (p_before - p_after).mean() > 0.01, (
+        p_before.mean(),
+        p_after.mean(),
+    )
+
+
+def test_positive_loss_is_weighted_by_the_rounds_lambda() -> None:
+    # Eq. 13: lambda L+ with lambda ramping up over the rounds; with plain SGD and no negatives,
+    # one step in round 5 of a 0.1 -> 1 ramp over 10 rounds moves the weights 0.55 times as far
+    # as with lambda = 1
+    deltas = []
+    for ramp in ({"lambda_start": 0.1, "lambda_rampup_rounds": 10}, {"lambda_rampup_rounds": 0}):
+        train = {"momentum": 0.0, "weight_decay": 0.0, "learning_rate": 0.1}
+        algo, data = _setup(theta=0.0, lambda_end=1.0, train=train, **ramp)
+        model = _model(1, scale=2.0)
+        reply = algo.client_update(_message(model, torch.full((3,), 0.5)), data, {}, ClientContext(5, CPU, 0))
+        assert reply.extras["metrics"]["neg_rate"] == 0.0 and reply.extras["metrics"]["mask_rate"] > 0.3
+        deltas.append(reply.weights["fc.weight"] - model.fc.weight.detach())
+    assert deltas[1].abs().max() > 1e-3
+    assert torch.allclose(deltas[0], 0.55 * deltas[1], atol=1e-6)
+
+
+def test_round_lr_is_the_papers_per_round_decay(monkeypatch) -> None:
+    # Sec. 5.2.1: lr x 0.995 per round for server and clients, constant within a round; the
+    # cosine of train_args.lr_schedule applies only with lr_times_train_schedule
+    import fedml_ssfl.algorithms.fedseal as fedseal_module
+    from fedml_ssfl import training
+
+    train = {"learning_rate": 0.03, "lr_schedule": "cosine", "comm_round": 20, "local_steps": 2}
+    algo, data = _setup(bootstrap_steps=0, server_steps=3, train=train)
+    assert FedSEALConfig().lr_decay == 0.995 and not FedSEALConfig().lr_times_train_schedule
+    for t in (0, 7, 19):
+        assert algo.round_lr(t) == pytest.approx(0.03 * 0.995**t)
+    both, _ = _setup(lr_times_train_schedule=True, train=train)
+    assert both.round_lr(19) == pytest.approx(cosine_lr(both.train, 19 * 2) * 0.995**19)
+    assert both.round_lr(19) < 0.5 * algo.round_lr(19)
+    # the rates the server's and the client's optimisers are set to in round 7
+    rates: list[tuple[str, float]] = []
+    for module, who in ((training, "server"), (fedseal_module, "client")):
+        original = module.set_lr
+        monkeypatch.setattr(
+            module, "set_lr", lambda opt, lr, who=who, original=original: (rates.append((who, lr)), original(opt, lr))
+        )
+    algo.server_step(7)
+    algo.client_update(_message(_model(1, scale=2.0), torch.full((3,), 0.5)), data, {}, ClientContext(7, CPU, 0))
+    assert {who for who, _ in rates} == {"server", "client"}
+    assert all(lr == pytest.approx(0.03 * 0.995**7) for _, lr in rates), rates

@@ -3,8 +3,10 @@
 Labels-at-server. Each round t (Algorithm 1):
 
 * ServerUpdate (Eq. 1): the server fine-tunes the global model on its labels with weak
-  augmentation (``server_steps`` SGD steps), then updates the static BatchNorm (sBN)
-  statistics, and broadcasts the model.
+  augmentation for ``server_epochs`` (E) epochs, each a fresh random split of its labeled set
+  into batches of ``train_args.batch_size`` (the last one shorter), then updates the static
+  BatchNorm (sBN) statistics, and broadcasts the model. ``server_steps`` overrides the epochs
+  with a fixed number of steps.
 * ClientUpdate: a client pseudo-labels all its data ONCE with the received model in eval mode on
   weakly augmented inputs (Eq. 2); the fix set is the samples with confidence ``>= threshold``
   (Eq. 3; an empty fix set: the client stops and sends nothing); the mix set is ``|fix|``
@@ -12,10 +14,16 @@ Labels-at-server. Each round t (Algorithm 1):
   ``lambda_mix ~ Beta(a, a)``, ``x_mix = lambda_mix x_fix + (1 - lambda_mix) x_mix``,
   ``L_fix = CE(f(A(x_fix)), y_fix)``, ``L_mix = lambda_mix CE(f(alpha(x_mix)), y_fix) +
   (1 - lambda_mix) CE(f(alpha(x_mix)), y_mix)`` (Eq. 5), and one SGD step on
-  ``L_fix + lambda L_mix`` (Eq. 6) with the gradient clipped to norm ``clip_norm``.
-* The server averages the received models uniformly and applies the average through a server
-  SGD (lr ``server_lr`` = 1, momentum ``server_momentum`` = 0.5) whose gradient is
-  ``w_global - w_avg`` (the authors' global momentum; the buffer is checkpointed).
+  ``L_fix + lambda L_mix`` (Eq. 6) with the gradient clipped to norm ``clip_norm`` (the
+  authors' code; the paper does not clip). A client
+  trains ``local_epochs`` (E) epochs, each a fresh random split of the fix and the mix set into
+  batches of ``train_args.batch_size``; ``local_epochs: null`` takes ``train_args.local_steps``
+  steps instead.
+* The server averages the received models uniformly (Algorithm 1: ``W_s = 1/M_t sum_m W_m``)
+  and, as the authors' code does, applies the average through a server SGD (lr ``server_lr`` =
+  1, momentum ``server_momentum`` = 0.5) whose gradient is ``w_global - w_avg``; the buffer
+  persists across rounds and is checkpointed. ``server_momentum: 0`` is the paper's plain
+  average.
 * After the last round: one more fine-tune and sBN update (:meth:`SemiFL.finalize`).
 
 Static BatchNorm (sBN): BatchNorm layers train on batch statistics; the running statistics of a
@@ -45,26 +53,46 @@ the clients as one model (the vanilla "Average" combination), and ``pseudo_label
 pseudo-labels every local batch with the model being trained instead of once with the global
 model. ``final_fine_tune: false`` ends on the last average (with sBN) instead.
 
-Defaults are the paper's: threshold 0.95, a = 0.75, lambda = 1, clip 1, server momentum 0.5,
-Nesterov SGD. Deviations and choices:
+Where each default comes from. The paper's text (Sec. 3.4, Algorithm 1) fixes the structure
+above, E epochs for server and clients alike, and lambda = 1 ("set to be one in our
+experiments"); it defers the other values to its Appendix C.1, which the text here does not
+include. Those are the authors' code's (``src/utils.py`` ``process_control``, ``src/make.py``,
+``src/modules/modules.py``), which is the right default where the paper is silent:
 
-* Epochs are expressed in steps: the server takes ``server_steps`` (default
-  ``train_args.local_steps``) per round; clients take ``train_args.local_steps`` steps, or
-  ``local_epochs`` passes over the fix set when set (the paper: E = 5, batch 10).
-* The learning rate follows ``train_args.lr_schedule`` evaluated once per round (the paper:
-  cosine over the rounds), for server and clients alike; the final fine-tune uses the last
-  round's rate.
+* threshold tau = 0.95 (control ``fix@0.95``), Beta(a, a) with a = 0.75 (``cfg['alpha']``),
+  E = 5 epochs for clients and server (control ``5-5``);
+* client and server-fine-tune SGD with Nesterov momentum 0.9 (``cfg['local']``);
+* gradient-norm clipping to 1 after every backward pass, on the clients and in the server's
+  fine-tune (``clip_grad_norm_(..., 1)``): not in the paper;
+* the server applies the average through an SGD with lr 1 and momentum 0.5 (``cfg['global']``,
+  control ``gm = 0.5``, no Nesterov, no weight decay): Algorithm 1 writes a plain average
+  (momentum 0 here), and the paper only names "global SGD momentum" among its appendix
+  ablations;
+* lr 0.03, weight decay 5e-4, batch 10 (server: 10 up to 1000 labels, else 250), cosine decay
+  over the rounds: these are ``train_args`` settings shared by every algorithm, not defaults
+  of this module (see ``configs/cifar10/semifl.yaml``).
+
+Deviations and choices:
+
+* The learning rate follows ``train_args.lr_schedule`` evaluated once per round (the authors:
+  cosine annealing to 0 over the rounds, ``lr_cosine_c: 0.5``), for server and clients alike;
+  the final fine-tune uses the last round's rate.
+* sBN is federated by default (see above); the authors' sBN reads every client's images and
+  averages per-batch statistics, this one pools exact sums.
 * The accuracy logged after round t is that of the model broadcast in round t (Algorithm 1
   trains the server first); the final evaluation includes the last round's clients.
-* Mixup is applied to the raw images, then weak augmentation to the mixture, as Eq. 5 writes.
+* Mixup is applied to the raw images, then weak augmentation to the mixture, as Eq. 5 writes
+  (the authors mix the already-augmented tensors).
 * ``pseudo_labels: batch`` labels each batch with the training model in eval mode (running
-  statistics as they stand) and mixes within the batch.
+  statistics as they stand) and mixes within the batch; with ``local_epochs`` an epoch is one
+  pass over the client's data.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +137,7 @@ def bn_sums(
     if not layers or idx.numel() == 0:
         return {}
     sums: BNSums = {}
-    saved = {
-        k: v.clone() for k, v in model.state_dict().items() if not v.is_floating_point() or "running" in k
-    }
+    saved = {k: v.clone() for k, v in model.state_dict().items() if not v.is_floating_point() or "running" in k}
 
     def hook(name: str):
         def record(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -223,38 +249,64 @@ def fix_mix_sets(probs: torch.Tensor, threshold: float, generator: torch.Generat
     return FixMixSets(fix=fix, fix_labels=labels[fix], mix=mix, mix_labels=labels[mix])
 
 
+def epoch_batches(
+    idx: torch.Tensor, batch_size: int, epochs: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Algorithm 1's epochs: each "randomly split [the] data into batches of size B".
+
+    Every epoch draws a fresh permutation of ``idx`` and cuts it into ``ceil(n / B)`` batches,
+    the last one shorter when B does not divide n, so each epoch visits every index once.
+    """
+    if batch_size < 1:
+        raise ValueError(f"epoch_batches: batch_size must be >= 1, got {batch_size}")
+    for _ in range(epochs):
+        yield from idx[torch.randperm(idx.numel(), generator=generator)].split(batch_size)
+
+
 @dataclass
 class SemiFLConfig(AlgorithmConfig):
-    """Hyper-parameters of SemiFL (Diao et al. Algorithm 1, Sec. 4, Table 2).
+    """Hyper-parameters of SemiFL (Diao et al. Algorithm 1, Sec. 3.4, Table 2).
+
+    "paper" marks a value the paper's text gives, "code" one taken from the authors' code where
+    the text is silent (see the module docstring).
 
     Attributes
     ----------
     threshold : float
-        tau, the confidence threshold of the fix set (0.95).
+        tau of Eq. 3, the fix set's confidence threshold (code: 0.95).
     mixup_alpha : float
-        a of ``lambda_mix ~ Beta(a, a)`` (0.75).
+        a of ``lambda_mix ~ Beta(a, a)`` (code: 0.75).
     loss_lambda : float
-        lambda weighting L_mix in Eq. 6 (1).
+        lambda weighting L_mix in Eq. 6 (paper: 1).
     clip_norm : float
-        Client gradient-norm clipping (1); 0 disables it.
+        Gradient-norm clipping on the clients and in the server's fine-tune (code: 1); 0
+        disables it (the paper clips nothing).
     server_lr, server_momentum : float
-        The server SGD on ``w_global - w_avg`` (1 and 0.5).
+        The server SGD on ``w_global - w_avg`` (code: 1 and 0.5). ``server_momentum: 0`` with
+        ``server_lr: 1`` is Algorithm 1's plain average.
     nesterov : bool
-        Nesterov momentum for server and client SGD (the authors: true).
+        Nesterov momentum for the client and the server fine-tune SGD (code: true; the server
+        momentum step above is plain, as in the code).
+    server_epochs : int
+        E of ServerUpdate: epochs over the server's labeled set per round, each a random split
+        into batches of ``train_args.batch_size`` (paper: E epochs; code: 5). 0 skips the
+        fine-tune.
     server_steps : int or None
-        Server fine-tune steps per round (the paper: 5 epochs); None: ``train_args.local_steps``.
+        None (default): ``server_epochs`` epochs. An integer: that many steps per round instead
+        (batches drawn from reshuffled passes), e.g. to fine-tune longer on a tiny label set.
     local_epochs : int or None
-        None: clients take ``train_args.local_steps`` steps; an integer E: E passes over the
-        fix set (the paper: 5).
+        E of ClientUpdate: epochs over the fix set (and the equal-size mix set) per round
+        (paper: E epochs; code: 5). None: ``train_args.local_steps`` steps instead.
     fine_tune : bool
         Table 2's "fine-tune global model with labeled data" (true); false: the server trains in
         parallel and is averaged with the clients as one model.
     pseudo_labels : str
         Table 2's "generate pseudo-labels with global model": ``global`` (default) or ``batch``.
     final_fine_tune : bool
-        Fine-tune (+ sBN) once more after the last round (true).
+        Fine-tune (+ sBN) once more after the last round (paper, Algorithm 1: true).
     sbn : str
-        ``federated`` (default), ``server``, ``all_data_nonfederated`` or ``off`` (see module doc).
+        ``federated`` (default), ``server``, ``all_data_nonfederated`` (code) or ``off`` (see
+        the module docstring).
     """
 
     threshold: float = 0.95
@@ -264,8 +316,9 @@ class SemiFLConfig(AlgorithmConfig):
     server_lr: float = 1.0
     server_momentum: float = 0.5
     nesterov: bool = True
+    server_epochs: int = 5
     server_steps: int | None = None
-    local_epochs: int | None = None
+    local_epochs: int | None = 5
     fine_tune: bool = True
     pseudo_labels: str = "global"
     final_fine_tune: bool = True
@@ -276,9 +329,7 @@ class SemiFLConfig(AlgorithmConfig):
         choices = {"pseudo_labels": ("global", "batch"), "sbn": SBN_MODES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
-                raise ConfigError(
-                    f"ssfl_args.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}"
-                )
+                raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"ssfl_args.threshold: {self.threshold} must lie in [0, 1]")
         for key in ("mixup_alpha", "server_lr"):
@@ -289,21 +340,22 @@ class SemiFLConfig(AlgorithmConfig):
                 raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be >= 0")
         if not 0.0 <= self.server_momentum < 1.0:
             raise ConfigError(f"ssfl_args.server_momentum: {self.server_momentum} must lie in [0, 1)")
+        if self.server_epochs < 0:
+            raise ConfigError(
+                f"ssfl_args.server_epochs: {self.server_epochs} must be >= 0 (0 skips the server's fine-tune)"
+            )
         if self.server_steps is not None and self.server_steps < 0:
-            raise ConfigError(f"ssfl_args.server_steps: {self.server_steps} must be >= 0 (or null)")
+            raise ConfigError(
+                f"ssfl_args.server_steps: {self.server_steps} must be >= 0 (or null for ssfl_args.server_epochs epochs)"
+            )
         if self.local_epochs is not None and self.local_epochs < 1:
             raise ConfigError(
-                f"ssfl_args.local_epochs: {self.local_epochs} must be >= 1 (or null for "
-                "train_args.local_steps steps)"
+                f"ssfl_args.local_epochs: {self.local_epochs} must be >= 1 (or null for train_args.local_steps steps)"
             )
         if self.nesterov and cfg.train_args.momentum <= 0:
-            raise ConfigError(
-                "ssfl_args.nesterov: Nesterov SGD needs train_args.momentum > 0; set nesterov: false"
-            )
+            raise ConfigError("ssfl_args.nesterov: Nesterov SGD needs train_args.momentum > 0; set nesterov: false")
         if cfg.data_args.num_server_labels <= 0:
-            raise ConfigError(
-                "data_args.num_server_labels: semifl fine-tunes on the server's labels; set it > 0"
-            )
+            raise ConfigError("data_args.num_server_labels: semifl fine-tunes on the server's labels; set it > 0")
 
 
 @register_algorithm
@@ -316,7 +368,19 @@ class SemiFL(GlobalModelAlgorithm):
     # ---- helpers ---------------------------------------------------------------------------
     @property
     def server_steps(self) -> int:
-        return self.train.local_steps if self.config.server_steps is None else self.config.server_steps
+        """Fine-tune steps per round: ``server_steps``, else ``server_epochs`` x batches per epoch."""
+        if self.config.server_steps is not None:
+            return self.config.server_steps
+        n = self.server_data.labeled_idx.numel()
+        return self.config.server_epochs * math.ceil(n / self.train.batch_size) if n else 0
+
+    def _server_batches(self, gen: torch.Generator) -> Iterator[torch.Tensor]:
+        """The fine-tune's batches of labeled indices (ServerUpdate of Algorithm 1)."""
+        idx, bs = self.server_data.labeled_idx, self.train.batch_size
+        if self.config.server_steps is None:
+            return epoch_batches(idx, bs, self.config.server_epochs, gen)
+        stream = BatchStream(idx, bs, gen)
+        return (next(stream) for _ in range(self.config.server_steps))
 
     def round_lr(self, round_idx: int) -> float:
         """``train_args.lr_schedule`` at the start of round ``round_idx``, for the whole round."""
@@ -332,10 +396,9 @@ class SemiFL(GlobalModelAlgorithm):
             nesterov=self.config.nesterov and t.momentum > 0,
         )
 
-    def _fine_tune(
-        self, weights: dict[str, torch.Tensor], round_idx: int, tag: str
-    ) -> dict[str, torch.Tensor]:
-        """ServerUpdate (Eq. 1): ``server_steps`` weak-augmentation steps on the server's labels."""
+    def _fine_tune(self, weights: dict[str, torch.Tensor], round_idx: int, tag: str) -> dict[str, torch.Tensor]:
+        """ServerUpdate (Eq. 1): ``server_epochs`` epochs (or ``server_steps`` steps) of weak-
+        augmentation SGD on the server's labels, gradients clipped to ``clip_norm`` (code)."""
         model = self.scratch_model(weights, self.device, slot="server")
         if self.server_steps == 0:
             return cpu_state(model)
@@ -344,13 +407,13 @@ class SemiFL(GlobalModelAlgorithm):
         gen = seeding.generator(self.seed, "semifl-server", tag, round_idx)
         opt = self.make_sgd(model, self.round_lr(round_idx))
         sd = self.server_data
-        stream = BatchStream(sd.labeled_idx, self.train.batch_size, gen)
-        for _ in range(self.server_steps):
-            b = next(stream)
+        for b in self._server_batches(gen):
             loss = F.cross_entropy(model(pipeline.weak(sd.images[b], gen)), sd.labels[b].to(self.device))
             check_finite(loss, round_idx, "the server")
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if self.config.clip_norm > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), self.config.clip_norm)
             opt.step()
         return cpu_state(model)
 
@@ -365,9 +428,7 @@ class SemiFL(GlobalModelAlgorithm):
         else:
             idx = torch.cat([sd.labeled_idx, sd.val_idx])
         model = self.scratch_model(weights, self.device, slot="server")
-        return bn_sums(
-            model, InputPipeline(self.data_info, self.device), sd.images, idx, self.train.batch_size
-        )
+        return bn_sums(model, InputPipeline(self.data_info, self.device), sd.images, idx, self.train.batch_size)
 
     def _with_sbn(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._server_sums = self._server_bn_sums(weights)
@@ -514,21 +575,13 @@ class SemiFL(GlobalModelAlgorithm):
         if sets.fix.numel() == 0:
             return metrics, False
         metrics["pseudo_acc"] = float((sets.fix_labels == truth[sets.fix]).float().mean())
-        bs = self.train.batch_size
-        steps = (
-            self.train.local_steps
-            if self.config.local_epochs is None
-            else self.config.local_epochs * math.ceil(sets.fix.numel() / min(bs, sets.fix.numel()))
-        )
         model.train()
         opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
-        positions = torch.arange(sets.fix.numel())
-        fix_stream = BatchStream(positions, bs, gen)
-        mix_stream = BatchStream(positions, bs, gen)
         party = client_party(data.client_id)
         loss_sum = lam_sum = 0.0
-        for _ in range(steps):
-            fb, mb = next(fix_stream), next(mix_stream)
+        steps = 0
+        for fb, mb in self._fix_mix_batches(sets.fix.numel(), gen):
+            steps += 1
             loss, lam = self._step(
                 model,
                 opt,
@@ -547,6 +600,24 @@ class SemiFL(GlobalModelAlgorithm):
         metrics.update(loss=loss_sum / steps, mix_lambda=lam_sum / steps, local_steps=float(steps))
         return metrics, True
 
+    def _fix_mix_batches(self, n_fix: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Pairs of equal-size batches of positions into the fix and the mix set.
+
+        ``local_epochs`` E: E epochs, each splitting both sets at random into batches of
+        ``train_args.batch_size`` (Algorithm 1, ClientUpdate). None: ``train_args.local_steps``
+        steps from reshuffled passes.
+        """
+        positions, bs = torch.arange(n_fix), self.train.batch_size
+        if self.config.local_epochs is None:
+            fix_stream, mix_stream = BatchStream(positions, bs, gen), BatchStream(positions, bs, gen)
+            for _ in range(self.train.local_steps):
+                yield next(fix_stream), next(mix_stream)
+            return
+        for _ in range(self.config.local_epochs):
+            fix_order = positions[torch.randperm(n_fix, generator=gen)]
+            mix_order = positions[torch.randperm(n_fix, generator=gen)]
+            yield from zip(fix_order.split(bs), mix_order.split(bs))
+
     def _train_batch_labels(
         self,
         model: nn.Module,
@@ -556,23 +627,20 @@ class SemiFL(GlobalModelAlgorithm):
         ctx: ClientContext,
     ) -> tuple[dict[str, float], bool]:
         """Table 2 ablation: pseudo-label each batch with the model being trained."""
-        n = data.num_unlabeled
         bs = self.train.batch_size
-        steps = (
-            self.train.local_steps
-            if self.config.local_epochs is None
-            else self.config.local_epochs * math.ceil(n / min(bs, n))
-        )
+        if self.config.local_epochs is None:
+            stream = BatchStream(data.unlabeled_idx, bs, gen)
+            batches: Iterator[torch.Tensor] = (next(stream) for _ in range(self.train.local_steps))
+        else:
+            batches = epoch_batches(data.unlabeled_idx, bs, self.config.local_epochs, gen)
         model.train()
         opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
-        stream = BatchStream(data.unlabeled_idx, bs, gen)
         truth_all = data.labels
         party = client_party(data.client_id)
         kept = correct = seen = 0
         loss_sum = lam_sum = 0.0
         taken = 0
-        for _ in range(steps):
-            b = next(stream)
+        for b in batches:
             probs = predict_probs(model, pipeline, data.images, b, gen, augment="weak")
             sets = fix_mix_sets(probs, self.config.threshold, gen)
             seen += b.numel()

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def complementary_loss(
-    logits: torch.Tensor, neg_labels: torch.Tensor, reduction: str = "mean"
-) -> torch.Tensor:
+def complementary_loss(logits: torch.Tensor, neg_labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Bian et al. Eq. 15: ``l(y-, 1 - f(x)) = -log(1 - softmax(logits)_{y-})``.
 
     Computed stably in log space: ``log(1 - p_j) = logsumexp(z without z_j) - logsumexp(z)``, so
