@@ -503,30 +503,34 @@ def test_config_defaults_follow_the_scenario_and_bad_values_name_the_key() -> No
 
 
 # ---- end to end -------------------------------------------------------------------------------------------
-E2E = [  # plain SGD at lr 0.03 with lambda_L2 scaled to keep the authors' psi pull: c = 0.19
-    "ssfl_args.algorithm=fedmatch",
+CLIENT_E2E = (  # plain SGD at lr 0.03 for every party; FedMatch scales lambda_L2 to keep the psi pull c = 0.19
     "data_args.label_scenario=client",
     "train_args.comm_round=5",
     "train_args.local_steps=12",
     "train_args.learning_rate=0.03",
+    "train_args.momentum=0",
+)
+FEDMATCH_CLIENT = (
+    "ssfl_args.algorithm=fedmatch",
+    *CLIENT_E2E,
     "ssfl_args.lambda_l2=0.3",
     "ssfl_args.helper_interval=2",
-]
+)
 
 
 def _rows(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_labels_at_client_learns_and_sends_less_than_fedavg(small_config, tmp_path) -> None:
-    # 4 clients x 5 labels per class on digits. Measured: 84% after 5 rounds (random: 10%; a
-    # model whose sigma never learns stays below 40%), 3.8% of the unlabeled samples pass tau 0.85
-    # in the last round. With the paper's threshold 5e-5 every delta of this 24k-parameter CNN is
-    # dense (C2S = 2 models); at 3e-3 the deltas of the last rounds are sparse (0.9).
-    cfg = small_config(*E2E, "ssfl_args.c2s_threshold=0.003")
-    res = run_local(cfg, run_dir=tmp_path / "fm")
+def test_labels_at_client_beats_local_fixmatch_and_sends_less_than_fedavg(small_config, tmp_path) -> None:
+    # 4 clients x 5 labels per class on digits, the same optimiser for both. Measured: FedMatch 0.844,
+    # Local-FixMatch 0.830 (Table 2's ordering; with lambda_s = 1 FedMatch fell to 0.18). With the
+    # paper's threshold 5e-5 every delta of this 24k-parameter CNN is dense (C2S = 2 models); at 3e-3
+    # the deltas of the last rounds are sparse.
+    res = run_local(small_config(*FEDMATCH_CLIENT, "ssfl_args.c2s_threshold=0.003"), run_dir=tmp_path / "fm")
+    local = run_local(small_config("ssfl_args.algorithm=local_fixmatch", *CLIENT_E2E), run_dir=tmp_path / "local")
+    assert res.final_acc > local.final_acc, (res.final_acc, local.final_acc)
     rows = _rows(res.run_dir)
-    assert res.final_acc >= 0.7, res.final_acc
     assert rows[-1]["c2s_cost"] < 1.0, rows[-1]["c2s_cost"]
     assert all(r["c2s_cost"] <= 2.0 + 1e-9 for r in rows)  # never more than sigma + psi, dense
     assert rows[-1]["client_mask_rate"] > 0 and rows[-1]["client_pseudo_acc"] > 0.8
@@ -535,9 +539,11 @@ def test_labels_at_client_learns_and_sends_less_than_fedavg(small_config, tmp_pa
     assert rows[-1]["bytes_up"] == pytest.approx(4 * dense * rows[-1]["c2s_cost"])
 
 
-def test_labels_at_server_learns_and_clients_send_only_psi(small_config, tmp_path) -> None:
-    # 50 server labels on digits, 8 rounds; the server trains sigma 30 steps a round. Measured 0.74
-    # (server_only at these settings ~0.77; random 0.10; with 10 server steps 0.50).
+def test_labels_at_server_keeps_up_with_the_server_alone_and_clients_send_only_psi(small_config, tmp_path) -> None:
+    # 50 server labels on digits, 8 rounds; the server trains sigma 30 plain-SGD steps a round at
+    # lr 0.003 x lambda_s 10. server_only takes the same 30 steps at lr 0.03 (the same gradient steps).
+    # Measured: FedMatch 0.819, server_only 0.780; with momentum 0.9 (the clients' psi pull overshoots)
+    # FedMatch fell to 0.772.
     cfg = small_config(
         "ssfl_args.algorithm=fedmatch",
         "train_args.comm_round=8",
@@ -546,9 +552,18 @@ def test_labels_at_server_learns_and_clients_send_only_psi(small_config, tmp_pat
         "ssfl_args.server_steps=30",
     )
     res = run_local(cfg, run_dir=tmp_path / "fm")
+    alone = small_config(
+        "ssfl_args.algorithm=server_only",
+        "train_args.comm_round=8",
+        "train_args.local_steps=30",
+        "train_args.learning_rate=0.03",
+        "train_args.momentum=0",
+    )
+    lower = run_local(alone, run_dir=tmp_path / "so")
+    assert res.final_acc >= lower.final_acc - 0.005, (res.final_acc, lower.final_acc)
     rows = _rows(res.run_dir)
-    assert res.final_acc >= 0.6, res.final_acc
     assert all(r["c2s_cost"] <= 1.0 + 1e-9 for r in rows)  # psi only, never sigma
+    assert rows[-1]["client_mask_rate"] > 0  # the clients' agreement labels pass tau
 
 
 def test_resume_equals_an_uninterrupted_run(small_config, tmp_path) -> None:
