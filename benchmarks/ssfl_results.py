@@ -50,11 +50,17 @@ class Row:
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
 
-# The table's order: bounds, the five papers' methods, then the naive baselines.
+# The table's order: labels-at-server (bounds and controls, the papers' methods, the naive baselines),
+# then labels-at-client.
 ROWS = [
     Row("server_only", "server_only.yaml"),
     Row("fedavg_sl (upper bound: every client sample labeled)", "fedavg_sl.yaml"),
     Row("fedavg_ssl (CRL, GN, FedAvg; paper defaults, 30 rounds)", "fedavg_ssl.yaml"),
+    Row(
+        "fedavg_ssl (control: tau = 1, no client sample can pass; the dilution of Eq. 5 alone)",
+        "fedavg_ssl.yaml",
+        ("ssfl_args.threshold=1.0",),
+    ),
     Row("fedavg_ssl (CRL, GN, grouping S=2; paper defaults, 30 rounds)", "fedavg_ssl_grouping.yaml"),
     Row("fedavg_ssl (CRL, GN, FedAvg; bootstrapped from server-only)", "fedavg_ssl_bootstrap.yaml"),
     Row("semifl (the main job)", "semifl.yaml"),
@@ -65,13 +71,19 @@ ROWS = [
         "fedmatch.yaml",
         ("ssfl_args.lambda_a=0", "ssfl_args.lambda_i=0"),
     ),
-    Row("fedmatch (labels-at-client)", "fedmatch_client.yaml"),
     Row("fedsiam", "fedsiam.yaml"),
-    Row("fedsiam (labels-at-client)", "fedsiam_client.yaml"),
     Row("fedavg_fixmatch", "fedavg_fixmatch.yaml"),
+    Row(
+        "fedavg_fixmatch (control: Zhang et al.'s parallel protocol)",
+        "fedavg_fixmatch.yaml",
+        ("ssfl_args.server_protocol=parallel",),
+    ),
     Row("fedprox_fixmatch", "fedprox_fixmatch.yaml"),
     Row("fedavg_uda", "fedavg_uda.yaml"),
     Row("fedprox_uda", "fedprox_uda.yaml"),
+    Row("fedavg_sl (labels-at-client; upper bound: every client sample labeled)", "fedavg_sl_client.yaml"),
+    Row("fedmatch (labels-at-client)", "fedmatch_client.yaml"),
+    Row("fedsiam (labels-at-client)", "fedsiam_client.yaml"),
     Row("fedavg_fixmatch (labels-at-client)", "fedavg_fixmatch_client.yaml"),
     Row("fedprox_fixmatch (labels-at-client)", "fedprox_fixmatch_client.yaml"),
     Row("fedavg_uda (labels-at-client)", "fedavg_uda_client.yaml"),
@@ -80,6 +92,11 @@ ROWS = [
     Row("local_fixmatch (labels-at-client)", "local_fixmatch_client.yaml"),
     Row("local_uda (labels-at-client)", "local_uda_client.yaml"),
 ]
+
+
+REFERENCE = {"server": "server_only", "client": "local_fixmatch (labels-at-client)"}
+"""Per label scenario, the row every other row is compared with seed by seed (same split): the
+lower bound of labels-at-server and the local semi-supervised baseline of labels-at-client."""
 
 
 def parse_row(spec: str) -> Row:
@@ -162,13 +179,15 @@ def dense_round_bytes(cfg) -> int:
     return cfg.train_args.client_num_per_round * message_nbytes(Message(weights=cpu_state(model)))
 
 
-def _pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+def _pm(values: list[float], scale: float = 100.0, digits: int = 1, signed: bool = False) -> str:
+    """``mean ± sample standard deviation`` of ``values`` times ``scale`` (just the mean for one value)."""
     if not values:
         return ""
     mean = scale * statistics.fmean(values)
+    text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
     if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {scale * statistics.stdev(values):.{digits}f}"
+        return text
+    return f"{text} ± {scale * statistics.stdev(values):.{digits}f}"
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -177,6 +196,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     groups: dict[str, list[dict]] = {}
     for r in runs:
         groups.setdefault(r["row"], []).append(r)
+    by_seed = {(r["row"], r["seed"]): r["final_acc"] for r in runs}
     out = []
     for name in sorted(groups, key=lambda n: order.get(n, len(order))):
         g = sorted(groups[name], key=lambda r: r["seed"])
@@ -185,9 +205,15 @@ def summarize(runs: list[dict]) -> list[dict]:
         def vals(key: str, g: list[dict] = g) -> list[float]:
             return [r[key] for r in g if isinstance(r.get(key), (int, float))]
 
+        ref = REFERENCE.get(g[0]["labels"])
+        delta = [
+            r["final_acc"] - by_seed[(ref, r["seed"])] for r in g if ref and ref != name and (ref, r["seed"]) in by_seed
+        ]
         out.append(
             {
                 "row": name,
+                "delta": delta,
+                "reference": ref if delta else None,
                 "config": g[0]["config"]
                 + (" " + " ".join(f"--set {o}" for o in g[0]["overrides"]) if g[0]["overrides"] else ""),
                 "labels": g[0]["labels"],
@@ -220,18 +246,23 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
         "Labels-at-server: 50 labels on the server, clients unlabeled. Labels-at-client: 5 labels per class on",
         "each client (500 in all), none on the server. `mask rate`: the share of the clients' unlabeled samples",
         "that carried a pseudo-label into the loss (mean over rounds and clients); `PL acc`: the accuracy of",
-        "those pseudo-labels against the hidden labels (diagnostics only). Traffic: bytes over C_k dense models",
-        "per round each way (C2S = up, S2C = down), as in FedMatch's Table 1. Seconds per round are wall-clock",
-        "with two runs sharing the two cores: compare within this table only.",
+        "those pseudo-labels against the hidden labels (diagnostics only). `vs reference`: the row's final",
+        "accuracy minus the reference row's on the same seed (same split), mean ± std over the seeds; the reference",
+        "is `server_only` for labels-at-server and `local_fixmatch` for labels-at-client. Traffic: bytes over C_k",
+        "dense models per round each way (C2S = up, S2C = down), as in FedMatch's Table 1. Seconds per round are",
+        "wall-clock with two runs sharing the two cores: compare within this table only.",
         "",
-        "| method | config | labels at | seeds | final test acc (%) | best test acc (%) | mask rate (%) | PL acc (%) "
-        "| C2S vs FedAvg | S2C vs FedAvg | s / round |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | config | labels at | seeds | final test acc (%) | vs reference, same seed (points) "
+        "| best test acc (%) | mask rate (%) | PL acc (%) | C2S vs FedAvg | S2C vs FedAvg | s / round |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         rel = [f"{100 * r[k]:.0f}%" if r[k] is not None else "" for k in ("c2s", "s2c")]
+        vs = (
+            f"{_pm(r['delta'], signed=True)}" if r["delta"] else ("reference" if r["row"] in REFERENCE.values() else "")
+        )
         lines.append(
-            f"| {r['row']} | `{r['config']}` | {r['labels']} | {len(r['seeds'])} | {_pm(r['final'])} | "
+            f"| {r['row']} | `{r['config']}` | {r['labels']} | {len(r['seeds'])} | {_pm(r['final'])} | {vs} | "
             f"{_pm(r['best'])} | {_pm(r['mask_rate'])} | {_pm(r['pseudo_acc'])} | {rel[0]} | {rel[1]} | "
             f"{r['seconds_per_round']:.2f} |"
         )
