@@ -17,6 +17,7 @@ Usage::
     python benchmarks/ssfl_results.py                           # every row, seeds 0 1 2, 2 processes
     python benchmarks/ssfl_results.py --rows fedmatch --seeds 0 # rows whose name contains "fedmatch"
     python benchmarks/ssfl_results.py --render-only             # rewrite the page from the JSON
+    python benchmarks/ssfl_results.py --missing-only            # resume a stopped sweep
     python benchmarks/ssfl_results.py --json /tmp/t.json --doc /tmp/t.md \
         --row "lr 0.1=fedmatch.yaml:train_args.learning_rate=0.1"  # an ad-hoc row (tuning)
 """
@@ -285,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each (default 2)")
     parser.add_argument("--out-dir", default="/tmp/fedml_ssfl_results", help="where the runs go")
     parser.add_argument("--render-only", action="store_true", help="rewrite the page from the JSON, run nothing")
+    parser.add_argument(
+        "--missing-only", action="store_true", help="resume a stopped sweep: skip (row, seed) runs the JSON already has"
+    )
     parser.add_argument("--doc", default=str(ROOT / "docs" / "results.md"))
     parser.add_argument("--notes", default=str(ROOT / "docs" / "results_notes.md"))
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "ssfl_results.json"))
@@ -304,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ssfl_results: no config {', '.join(missing)} under {CONFIGS}", file=sys.stderr)
         return 2
     jobs = [(row, seed) for row in chosen for seed in args.seeds]
+    if args.missing_only:
+        have = {(x["row"], x["seed"]) for x in runs}
+        jobs = [(row, seed) for row, seed in jobs if (row.name, seed) not in have]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     done: list[dict] = []
     with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
