@@ -88,22 +88,41 @@ def bench_case(key: str, args, workdir: Path) -> dict:
     t = time.perf_counter()
     fit(net, ds.train_images, ds.train_labels, ds.mean, ds.std, steps)
     fit_s = time.perf_counter() - t
-    meta = EdgeMetadata(class_names=list(ds.class_names), mean=list(ds.mean), std=list(ds.std),
-                        in_channels=ds.in_channels, image_size=ds.image_size, thresholds=[0.95], model=name,
-                        norm=norm, dataset=dataset, algorithm="benchmark", round=0, config_hash="bench")
+    meta = EdgeMetadata(
+        class_names=list(ds.class_names),
+        mean=list(ds.mean),
+        std=list(ds.std),
+        in_channels=ds.in_channels,
+        image_size=ds.image_size,
+        thresholds=[0.95],
+        model=name,
+        norm=norm,
+        dataset=dataset,
+        algorithm="benchmark",
+        round=0,
+        config_hash="bench",
+    )
     out = workdir / key
     n_test = min(1000, len(ds.test_images))
     train = ds.train_images.numpy()
     rng = np.random.default_rng(0)
     order = rng.permutation(len(train))
-    report = export_model(net, out, meta, test_images=ds.test_images[:n_test].numpy(),
-                          test_labels=ds.test_labels[:n_test].numpy(), calibration_images=train[order[:256]],
-                          unlabeled_images=train[order[256:1256]])
+    report = export_model(
+        net,
+        out,
+        meta,
+        test_images=ds.test_images[:n_test].numpy(),
+        test_labels=ds.test_labels[:n_test].numpy(),
+        calibration_images=train[order[:256]],
+        unlabeled_images=train[order[256:1256]],
+    )
     edge = EdgeModel(net, ds.mean, ds.std).eval()
     thr = torch.full((ds.num_classes,), 0.95)
     thr_np = thr.numpy()
-    sessions = {k: make_session(out / f, threads=args.threads) for k, f in
-                (("onnx_float", "model.onnx"), ("onnx_int8", "model.int8.onnx"))}
+    sessions = {
+        k: make_session(out / f, threads=args.threads)
+        for k, f in (("onnx_float", "model.onnx"), ("onnx_int8", "model.int8.onnx"))
+    }
 
     def torch_fn(x):
         with torch.inference_mode():
@@ -123,26 +142,46 @@ def bench_case(key: str, args, workdir: Path) -> dict:
     sizes["torch_state_dict"] = torch_bytes
     gates = report.checks["int8_gates"]
     return {
-        "model": name, "norm": norm, "dataset": dataset, "params": count_parameters(net),
-        "input": [ds.in_channels, ds.image_size, ds.image_size], "batch_size": args.batch_size,
-        "fit_steps": steps, "fit_seconds": fit_s, "export_seconds": report.seconds,
-        "images_per_second": speed, "bytes": sizes,
+        "model": name,
+        "norm": norm,
+        "dataset": dataset,
+        "params": count_parameters(net),
+        "input": [ds.in_channels, ds.image_size, ds.image_size],
+        "batch_size": args.batch_size,
+        "fit_steps": steps,
+        "fit_seconds": fit_s,
+        "export_seconds": report.seconds,
+        "images_per_second": speed,
+        "bytes": sizes,
         "int8_to_float_size_onnx": sizes["int8_onnx"] / sizes["onnx"],
         "int8_to_float_size_ort": sizes["int8_ort"] / sizes["ort"],
         "onnx_float_vs_torch": speed["onnx_float"]["best"] / speed["torch_eager"]["best"],
         "int8_vs_onnx_float": speed["onnx_int8"]["best"] / speed["onnx_float"]["best"],
         "parity_max_abs_prob_diff": report.checks["parity_onnx"]["max_abs_prob_diff"],
-        "int8_gates": {k: gates[k] for k in ("float_test_acc", "int8_test_acc", "test_acc_drop_points",
-                                             "label_agreement", "float_mask_rate", "int8_mask_rate",
-                                             "mask_rate_change_points") if k in gates},
+        "int8_gates": {
+            k: gates[k]
+            for k in (
+                "float_test_acc",
+                "int8_test_acc",
+                "test_acc_drop_points",
+                "label_agreement",
+                "float_mask_rate",
+                "int8_mask_rate",
+                "mask_rate_change_points",
+            )
+            if k in gates
+        },
     }
 
 
 def markdown(results: list[dict], machine: str) -> str:
-    lines = [f"Edge throughput, {machine}; images/s, best of the interleaved rounds (median in brackets).", "",
-             "| model | torch eager | ONNX float | ONNX int8 | float/torch | int8/float | float .onnx | "
-             "int8 .onnx | int8/float size | int8 acc drop | agreement |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Edge throughput, {machine}; images/s, best of the interleaved rounds (median in brackets).",
+        "",
+        "| model | torch eager | ONNX float | ONNX int8 | float/torch | int8/float | float .onnx | "
+        "int8 .onnx | int8/float size | int8 acc drop | agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         s = r["images_per_second"]
         g = r["int8_gates"]

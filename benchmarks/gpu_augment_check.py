@@ -25,8 +25,10 @@ def main() -> int:
         return 1
     x = torch.rand(256, 3, 32, 32)
     out = {}
-    for name, fn in (("weak", lambda t, g: weak_augment(t, g, flip=True)),
-                     ("strong", lambda t, g: strong_augment(t, g, flip=True))):
+    for name, fn in (
+        ("weak", lambda t, g: weak_augment(t, g, flip=True)),
+        ("strong", lambda t, g: strong_augment(t, g, flip=True)),
+    ):
         cpu = fn(x, torch.Generator().manual_seed(1))
         gpu = fn(x.cuda(), torch.Generator().manual_seed(1))
         torch.cuda.synchronize()
@@ -34,8 +36,10 @@ def main() -> int:
         for _ in range(20):
             fn(x.cuda(), torch.Generator().manual_seed(1))
         torch.cuda.synchronize()
-        out[name] = {"max_abs_diff": float((gpu.cpu() - cpu).abs().max()),
-                     "ms_per_batch_256_gpu": (time.perf_counter() - t0) / 20 * 1000}
+        out[name] = {
+            "max_abs_diff": float((gpu.cpu() - cpu).abs().max()),
+            "ms_per_batch_256_gpu": (time.perf_counter() - t0) / 20 * 1000,
+        }
     out["device"] = torch.cuda.get_device_name()
     path = ROOT / "benchmarks" / "results" / "gpu_augment_check.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,12 @@ DEFAULT_JOB = Path(__file__).resolve().parent / "configs" / "default_job.yaml"
 def _add_config_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     if positional:
         p.add_argument("config", nargs="?", help="experiment YAML (default: the main job, configs/mnist5k/semifl.yaml)")
-    p.add_argument("--cf", dest="cf", help="experiment YAML (FedML's flag; same as the positional CONFIG)")
+    p.add_argument(
+        "--cf",
+        "--yaml_config_file",
+        dest="cf",
+        help="experiment YAML (FedML's flags; same as the positional CONFIG)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -40,9 +45,7 @@ def _config_path(args: argparse.Namespace) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fedml-ssfl", description="Semi-supervised federated learning on FedML"
-    )
+    parser = argparse.ArgumentParser(prog="fedml-ssfl", description="Semi-supervised federated learning on FedML")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -57,17 +60,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a stopped run from its last checkpoint (default RUN_DIR: the config's run dir)",
     )
     run.add_argument(
-        "--no-compare", action="store_true", help="skip the baselines in common_args.compare_with"
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after round N in all (a checkpoint is written there); continue later with --resume",
     )
+    run.add_argument("--no-compare", action="store_true", help="skip the baselines in common_args.compare_with")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     run.add_argument("--rank", type=int, default=None, help="FedML GRPC: this process's rank (0 = server)")
     run.add_argument("--role", choices=("server", "client"), default=None, help="FedML GRPC: this process's role")
+    _add_fedml_launch_args(run)
 
-    part = sub.add_parser(
-        "partition", help="print the data split: sizes, class histograms, R; save a heat-map"
-    )
+    part = sub.add_parser("partition", help="print the data split: sizes, class histograms, R; save a heat-map")
     _add_config_args(part)
     part.add_argument("--out", help="heat-map PNG path (default: <run dir>/partition.png)")
+    part.add_argument(
+        "--export",
+        metavar="DIR",
+        help="also write the split as deployment files (one npz per silo, the server's, the test set) and "
+        "DIR/deployment.yaml, the config that runs them in FedML's deployment mode",
+    )
+    part.add_argument(
+        "--backend", choices=("MPI", "GRPC"), default="MPI", help="the FedML backend of the exported config"
+    )
 
     report = sub.add_parser("report", help="compare runs: one table and one accuracy-vs-round plot")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
@@ -79,25 +95,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_fedml_launch_args(p: argparse.ArgumentParser) -> None:
+    """The rest of the flags FedML's launcher passes (``fedml/arguments.py``); see :func:`_fedml_launch_flags`."""
+    fedml = p.add_argument_group("FedML launch flags (accepted so that FedML's launch commands run unchanged)")
+    fedml.add_argument("--run_id", default=None, help="FedML's run id: kept as common_args.run_id")
+    fedml.add_argument("--local_rank", type=int, default=0, help="FedML's rank within a node (ignored unless not 0)")
+    fedml.add_argument("--node_rank", type=int, default=0, help="FedML's hierarchical node rank (ignored unless not 0)")
+    fedml.add_argument("--run_device_id", default=None, help="FedML's edge (device) id (logged, not used)")
+    fedml.add_argument(
+        "--using_mlops",
+        type=_flag_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BOOL",
+        help="FedML's MLOps switch: true is ignored with a warning (fedml_ssfl runs offline)",
+    )
+
+
+def _flag_bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("true", "1", "yes", "y", "on"):
+        return True
+    if value in ("false", "0", "no", "n", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _fedml_launch_flags(args: argparse.Namespace, cfg: ExperimentConfig) -> None:
+    """Apply FedML's launch flags to ``cfg``: ``--run_id`` is kept, the others are warned about when they matter."""
+    if getattr(args, "run_id", None) is not None:
+        cfg.common_args.run_id = str(args.run_id)
+    if getattr(args, "using_mlops", False):
+        log.warning("--using_mlops true is ignored: fedml_ssfl runs offline; it logs to TensorBoard and metrics.jsonl")
+    for flag in ("local_rank", "node_rank"):
+        if getattr(args, flag, 0):
+            log.warning(
+                "--%s %d is ignored: fedml_ssfl runs one process per rank (horizontal cross-silo); --rank N picks it",
+                flag,
+                getattr(args, flag),
+            )
+    if getattr(args, "run_device_id", None) not in (None, "0"):
+        log.info("--run_device_id %s: FedML's edge id of this process (recorded, not used)", args.run_device_id)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .runtime.local import run_local
 
     cfg = load_config(_config_path(args), args.overrides)
+    _fedml_launch_flags(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
     resume = args.resume is not None
     run_dir = Path(args.resume) if args.resume else None
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ConfigError(f"--stop-after {args.stop_after}: give a number of rounds >= 1")
     if cfg.comm_args.backend != "local":
         from .runtime.fedml_backend import run_fedml
 
-        result = run_fedml(cfg, rank=args.rank, role=args.role, run_dir=run_dir, resume=resume)
+        result = run_fedml(
+            cfg, rank=args.rank, role=args.role, run_dir=run_dir, resume=resume, stop_after=args.stop_after
+        )
         if result is None:  # a client process: the server prints the results
             return 0
         print(format_results_table(cfg, [result]))
         print(f"outputs: {result.run_dir}")
         return 0
-    result = run_local(cfg, run_dir=run_dir, resume=resume)
+    result = run_local(cfg, run_dir=run_dir, resume=resume, stop_after=args.stop_after)
     results = [result]
     if not args.no_compare:
         for name in cfg.common_args.compare_with:
@@ -106,7 +171,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             sub_cfg = cfg.with_algorithm(name, run_name=f"{result.run_dir.name}/compare/{name}")
             sub_cfg.common_args.output_dir = str(result.run_dir.parent)
             sub_dir = result.run_dir / "compare" / name
-            results.insert(0, run_local(sub_cfg, run_dir=sub_dir, resume=resume and sub_dir.exists()))
+            sub_resume = resume and sub_dir.exists()
+            results.insert(0, run_local(sub_cfg, run_dir=sub_dir, resume=sub_resume, stop_after=args.stop_after))
     print(format_results_table(cfg, results))
     print(f"outputs: {result.run_dir}")
     return 0
@@ -143,6 +209,14 @@ def cmd_partition(args: argparse.Namespace) -> int:
         split, dataset.train_labels, out, title=f"{cfg.data_args.dataset} {cfg.data_args.partition_method}"
     )
     print(f"heat-map: {out}")
+    if args.export:
+        from .experiment import export_deployment
+        from .runtime.fedml_backend import np_hint
+
+        path = export_deployment(cfg, args.export, backend=args.backend)
+        print(f"deployment files and config: {path}")
+        if args.backend == "MPI":
+            print(f"run it: {np_hint(load_config(path)).replace('CONFIG', str(path))}")
     return 0
 
 

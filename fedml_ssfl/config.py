@@ -28,6 +28,7 @@ import yaml
 
 log = logging.getLogger(__name__)
 
+
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and the fix."""
 
@@ -43,6 +44,7 @@ class CommonArgs:
     compare_with: list[str] = field(default_factory=lambda: ["server_only"])
     scenario: str = "horizontal"  # FedML's key; only horizontal is supported
     config_version: str = "release"  # FedML's key
+    run_id: str = ""  # FedML's run id (--run_id, train_args.run_id): for the runtime; not in the fingerprint
 
 
 @dataclass
@@ -86,6 +88,15 @@ class DataArgs:
     synthetic_num_samples: int = 2000
     synthetic_num_classes: int = 10
     synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
+    # FedML deployment mode (comm_args.mode: deployment): every process reads only its own files.
+    local_data: str = ""  # a silo's own data (npz or image folder); {rank} / {silo} placeholders allowed
+    server_data: str = ""  # the server's labeled set (npz or class folders)
+    server_val_data: str = ""  # the server's validation set (optional)
+    test_data: str = ""  # the test set the server evaluates on
+    num_classes: int = 0  # deployment: the class count (0: from the server's labels / class folders)
+    norm_mean: list[float] = field(default_factory=list)  # deployment: per-channel mean (empty: server data's)
+    norm_std: list[float] = field(default_factory=list)  # deployment: per-channel std (empty: server data's)
+    flip: bool = False  # deployment: random horizontal flips suit the data (the shipped datasets decide their own)
 
 
 @dataclass
@@ -105,6 +116,7 @@ class TrainArgs:
     client_num_per_round: int = 10  # C_k
     comm_round: int = 30
     local_steps: int = 16  # T
+    epochs: int = 0  # FedML's local epochs; > 0: T = epochs x ceil(mean client samples / batch_size) (fedml_compat)
     batch_size: int = 64
     learning_rate: float = 0.03
     momentum: float = 0.9
@@ -142,6 +154,9 @@ class CommArgs:
 
     backend: str = "local"  # local | MPI | GRPC
     grpc_ipconfig_path: str = ""
+    # FedML runtime: simulation (every process loads the whole dataset and the split; silos are routed to
+    # workers) | deployment (silo k's data only on rank k + 1, the server's labels only on rank 0)
+    mode: str = "simulation"
 
 
 @dataclass
@@ -188,6 +203,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train_args.client_optimizer": ("sgd",),
     "device_args.device": ("cpu", "cuda"),
     "comm_args.backend": ("local", "MPI", "GRPC"),
+    "comm_args.mode": ("simulation", "deployment"),
 }
 
 # (key, lower bound, upper bound or None, inclusive lower)
@@ -207,6 +223,7 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("data_args.poor_label_ratio", 0.0, 1.0, True),
     ("data_args.synthetic_num_samples", 1, None, True),
     ("data_args.synthetic_num_classes", 2, None, True),
+    ("data_args.num_classes", 0, None, True),
     ("train_args.client_num_in_total", 1, None, True),
     ("train_args.client_num_per_round", 1, None, True),
     ("train_args.comm_round", 1, None, True),
@@ -251,7 +268,7 @@ class ExperimentConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def fingerprint(
-        self, exclude: tuple[str, ...] = ("common_args.run_name", "common_args.output_dir")
+        self, exclude: tuple[str, ...] = ("common_args.run_name", "common_args.output_dir", "common_args.run_id")
     ) -> str:
         """A hash of everything that changes the result (output locations excluded)."""
         data = self.to_dict()
@@ -378,6 +395,35 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
     if len(cfg.data_args.synthetic_shape) != 3:
         raise ConfigError("data_args.synthetic_shape: expected [channels, height, width]")
     _check_partition(cfg.data_args)
+    if cfg.comm_args.mode == "deployment":
+        _check_deployment(cfg)
+
+
+def _check_deployment(cfg: ExperimentConfig) -> None:
+    """FedML's deployment mode: every process reads its own files, so they must be named."""
+    d = cfg.data_args
+    if cfg.comm_args.backend not in ("MPI", "GRPC"):
+        raise ConfigError(
+            "comm_args.mode deployment is a mode of the FedML runtime: set comm_args.backend MPI or GRPC "
+            "(and common_args.training_type cross_silo)"
+        )
+    for key, what in (
+        ("local_data", "each silo's own data"),
+        ("server_data", "the server's labeled set"),
+        ("test_data", "the test set the server evaluates on"),
+    ):
+        if not getattr(d, key):
+            raise ConfigError(
+                f"data_args.{key} is empty: comm_args.mode deployment reads {what} from it (an npz file or an image "
+                "folder; `fedml-ssfl partition CONFIG --export DIR` writes them from a simulation split)"
+            )
+    if d.partition_method == "streaming_noniid":
+        raise ConfigError(
+            "data_args.partition_method streaming_noniid: in deployment mode each silo's file is its data (no "
+            "release stages); remove the key"
+        )
+    if (d.norm_mean or d.norm_std) and len(d.norm_mean) != len(d.norm_std):
+        raise ConfigError("data_args.norm_mean and norm_std need one value per channel each (or both empty)")
 
 
 def partition_options(d: DataArgs) -> dict[str, Any]:
@@ -423,6 +469,9 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    from . import fedml_compat  # FedML's fedml_config.yaml conventions: aliases, ignored keys (warned)
+
+    raw = fedml_compat.apply(raw)
     valid_sections = [*SECTIONS, "ssfl_args"]
     kwargs: dict[str, Any] = {}
     for section, value in raw.items():
@@ -503,9 +552,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file, with clear errors for a missing or malformed file."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ConfigError(
-            f"config file not found: {p} (pass an existing YAML with --cf, or no --cf for the default)"
-        )
+        raise ConfigError(f"config file not found: {p} (pass an existing YAML with --cf, or no --cf for the default)")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:

@@ -7,6 +7,7 @@ initial models for the same config.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -62,11 +63,37 @@ def resolve_device(cfg: ExperimentConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def deployed(cfg: ExperimentConfig) -> bool:
+    """Whether ``cfg`` runs FedML's deployment mode (every process reads only its own files)."""
+    return cfg.comm_args.mode == "deployment"
+
+
 def load_experiment_dataset(cfg: ExperimentConfig) -> ImageDataset:
-    """The dataset named in ``data_args`` (shipped, synthetic or from ``data_cache_dir``)."""
+    """The dataset named in ``data_args`` (shipped, synthetic or from ``data_cache_dir``).
+
+    In deployment mode: the server's own data (``data_args.server_data`` / ``server_val_data`` /
+    ``test_data``), never a silo's.
+    """
     d = cfg.data_args
-    options = {}
-    if d.dataset == "synthetic":
+    if deployed(cfg):
+        from .data.silos import SiloDataError, load_server_dataset
+
+        try:
+            return load_server_dataset(
+                d.server_data,
+                d.test_data,
+                d.server_val_data,
+                num_classes=d.num_classes,
+                mean=d.norm_mean,
+                std=d.norm_std,
+                flip=d.flip,
+            )
+        except SiloDataError as exc:
+            raise ConfigError(str(exc)) from exc
+    options: dict = {}
+    if d.dataset in ("npz", "folder"):
+        options = {"flip": d.flip}
+    elif d.dataset == "synthetic":
         options = {
             "num_samples": d.synthetic_num_samples,
             "num_classes": d.synthetic_num_classes,
@@ -85,8 +112,15 @@ def load_experiment_dataset(cfg: ExperimentConfig) -> ImageDataset:
 
 
 def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
-    """The server/client split for ``cfg`` (a pure function of the data config and seed)."""
+    """The server/client split for ``cfg`` (a pure function of the data config and seed).
+
+    In deployment mode the server's split: its labeled and validation samples, no client data.
+    """
     d, t = cfg.data_args, cfg.train_args
+    if deployed(cfg):
+        from .data.silos import server_split
+
+        return server_split(dataset, t.client_num_in_total, d.label_scenario)
     try:
         split = build_split(
             dataset.train_labels,
@@ -119,32 +153,76 @@ def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
     return split
 
 
-def model_factory(cfg: ExperimentConfig, dataset: ImageDataset):
-    """A zero-argument callable building the configured model."""
+def model_factory(cfg: ExperimentConfig, info: ImageDataset | DataInfo):
+    """A zero-argument callable building the configured model for data shaped like ``info``.
+
+    ``info`` is the dataset, or (deployment mode, on a silo) the :class:`DataInfo` the server sent.
+    """
+    kwargs = {
+        "num_classes": info.num_classes,
+        "in_channels": info.in_channels,
+        "image_size": info.image_size,
+        "norm": cfg.model_args.norm,
+    }
     try:
-        build_model(
-            cfg.model_args.model,
-            num_classes=dataset.num_classes,
-            in_channels=dataset.in_channels,
-            image_size=dataset.image_size,
-            norm=cfg.model_args.norm,
-        )
+        build_model(cfg.model_args.model, **kwargs)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    return partial(
-        build_model,
-        cfg.model_args.model,
-        num_classes=dataset.num_classes,
-        in_channels=dataset.in_channels,
-        image_size=dataset.image_size,
-        norm=cfg.model_args.norm,
+    return partial(build_model, cfg.model_args.model, **kwargs)
+
+
+def resolve_local_steps(cfg: ExperimentConfig, split: Split | None = None) -> int:
+    """T, the local steps per round: ``train_args.local_steps``, or from FedML's local epochs.
+
+    With ``train_args.epochs`` E > 0 (FedML's key; 0 = off), ``T = E x ceil(n / B)``: ``n`` is the
+    mean number of training samples a client holds in ``split`` (labeled + unlabeled, every stage of
+    a streaming split), ``B`` is ``train_args.batch_size``. Every client then takes the same T steps
+    (FedML's own trainer passes over each client's own data); ``local_steps`` is not used.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The validated config.
+    split : Split, optional
+        The server/client split; needed when ``epochs > 0``.
+
+    Returns
+    -------
+    int
+        T >= 1.
+
+    Raises
+    ------
+    ConfigError
+        ``epochs > 0`` with no split to size the clients' data, naming ``train_args.local_steps``.
+    """
+    t = cfg.train_args
+    epochs = getattr(t, "epochs", 0)
+    if epochs <= 0:
+        return t.local_steps
+    sizes = [len(u) + len(lab) for u, lab in zip(split.client_unlabeled, split.client_labeled)] if split else []
+    if not any(sizes):
+        raise ConfigError(
+            f"train_args.epochs: {epochs} local epochs cannot be turned into steps here, where the clients' data "
+            "sizes are not known; set train_args.local_steps (T, the local steps per round) and train_args.epochs: 0"
+        )
+    steps = epochs * max(1, math.ceil(sum(sizes) / len(sizes) / t.batch_size))
+    log.info(
+        "train_args.epochs = %d (FedML's local epochs): T = %d local steps per round (mean %.1f samples per client, "
+        "batch %d); train_args.local_steps is not used",
+        epochs,
+        steps,
+        sum(sizes) / len(sizes),
+        t.batch_size,
     )
+    return steps
 
 
-def train_settings(cfg: ExperimentConfig) -> TrainSettings:
+def train_settings(cfg: ExperimentConfig, split: Split | None = None) -> TrainSettings:
+    """``train_args`` for the algorithm; ``split`` sizes the clients' data for ``epochs`` (resolve_local_steps)."""
     t = cfg.train_args
     return TrainSettings(
-        local_steps=t.local_steps,
+        local_steps=resolve_local_steps(cfg, split),
         batch_size=t.batch_size,
         learning_rate=t.learning_rate,
         momentum=t.momentum,
@@ -158,14 +236,9 @@ def train_settings(cfg: ExperimentConfig) -> TrainSettings:
     )
 
 
-def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None) -> Experiment:
-    """Load data, partition it, and construct the algorithm (server side not yet set up)."""
-    if cfg.device_args.num_threads:
-        torch.set_num_threads(cfg.device_args.num_threads)
-    device = resolve_device(cfg)
-    dataset = dataset or load_experiment_dataset(cfg)
-    split = make_split(cfg, dataset)
-    info = DataInfo(
+def data_info(dataset: ImageDataset) -> DataInfo:
+    """What an algorithm needs to know about ``dataset`` to build its inputs."""
+    return DataInfo(
         num_classes=dataset.num_classes,
         in_channels=dataset.in_channels,
         image_size=dataset.image_size,
@@ -173,15 +246,17 @@ def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None)
         std=tuple(dataset.std),
         flip=dataset.flip,
     )
-    server = ServerData(
-        images=dataset.train_images,
-        labels=dataset.train_labels,
-        labeled_idx=split.server_labeled,
-        val_idx=split.server_val,
-        num_classes=dataset.num_classes,
-        label_scenario=cfg.data_args.label_scenario,
-    )
-    factory = model_factory(cfg, dataset)
+
+
+def make_algorithm(
+    cfg: ExperimentConfig, info: DataInfo, server: ServerData, device: torch.device, split: Split | None = None
+) -> Algorithm:
+    """The configured algorithm, seeded, with its model factory (server side not yet set up).
+
+    Every process that runs a party of an experiment builds its algorithm here, so the initial
+    models are the same wherever it runs (the simulator, a FedML worker, a deployed silo).
+    """
+    factory = model_factory(cfg, info)
 
     def model_fn() -> nn.Module:
         # Initialisation draws from torch's global stream; forking it keeps every model build (the
@@ -191,14 +266,180 @@ def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None)
             return factory()
 
     seeding.seed_everything(cfg.common_args.random_seed)
-    algo = registry.create(
+    return registry.create(
         cfg.algorithm,
         config=cfg.ssfl_args,
         model_fn=model_fn,
         server_data=server,
         data_info=info,
-        train=train_settings(cfg),
+        train=train_settings(cfg, split),  # the split sizes the clients' data for train_args.epochs
         device=device,
         seed=cfg.common_args.random_seed,
     )
+
+
+def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None) -> Experiment:
+    """Load data, partition it, and construct the algorithm (server side not yet set up)."""
+    if cfg.device_args.num_threads:
+        torch.set_num_threads(cfg.device_args.num_threads)
+    device = resolve_device(cfg)
+    dataset = dataset or load_experiment_dataset(cfg)
+    split = make_split(cfg, dataset)
+    info = data_info(dataset)
+    server = ServerData(
+        images=dataset.train_images,
+        labels=dataset.train_labels,
+        labeled_idx=split.server_labeled,
+        val_idx=split.server_val,
+        num_classes=dataset.num_classes,
+        label_scenario=cfg.data_args.label_scenario,
+    )
+    algo = make_algorithm(cfg, info, server, device, split)
     return Experiment(config=cfg, dataset=dataset, split=split, data_info=info, algorithm=algo, device=device)
+
+
+@dataclass
+class SiloExperiment:
+    """A deployed silo's ingredients: its algorithm (client side) and its own data, nothing else.
+
+    Built by :func:`build_silo_experiment` from the config and the server's metadata; offers the
+    same ``client_data`` / ``algorithm`` / ``device`` / ``config`` a FedML worker uses in simulation.
+    """
+
+    config: ExperimentConfig
+    silo: int
+    data_info: DataInfo
+    algorithm: Algorithm
+    device: torch.device
+    images: torch.Tensor
+    labels: torch.Tensor
+    unlabeled_idx: torch.Tensor
+    labeled_idx: torch.Tensor
+
+    def client_data(self, client_id: int, round_idx: int | None = None) -> ClientData:
+        """This silo's data (``client_id`` must be the silo itself; labels -1 are hidden)."""
+        if client_id != self.silo:
+            raise RuntimeError(f"silo {self.silo} was asked to train silo {client_id}'s data, which it does not hold")
+        return ClientData(
+            client_id=self.silo,
+            images=self.images,
+            labels=self.labels,
+            unlabeled_idx=self.unlabeled_idx,
+            labeled_idx=self.labeled_idx,
+            num_classes=self.data_info.num_classes,
+        )
+
+
+def build_silo_experiment(cfg: ExperimentConfig, meta, rank: int) -> SiloExperiment:
+    """Silo ``rank - 1``'s experiment: its own file (``data_args.local_data``) checked against ``meta``.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's config (deployment mode).
+    meta : fedml_ssfl.data.silos.SiloMeta
+        The server's metadata (class count and names, image shape, normalisation, flips).
+    rank : int
+        This process's rank (1..K); it serves silo ``rank - 1``.
+
+    Raises
+    ------
+    fedml_ssfl.data.silos.SiloDataError
+        The silo's file is missing, malformed or disagrees with ``meta`` (the message names it).
+    """
+    from .data.silos import load_silo, silo_indices, silo_path
+
+    if cfg.device_args.num_threads:
+        torch.set_num_threads(cfg.device_args.num_threads)
+    device = resolve_device(cfg)
+    data = load_silo(silo_path(cfg.data_args.local_data, rank), meta)
+    unlabeled, labeled = silo_indices(data.labels)
+    if cfg.data_args.label_scenario == "server" and labeled.numel():
+        log.warning(
+            "silo %d: %s has %d labeled samples, but data_args.label_scenario is 'server': they are trained on as "
+            "unlabeled samples (their labels feed only the pseudo-label accuracy diagnostic)",
+            rank - 1,
+            data.source,
+            labeled.numel(),
+        )
+        unlabeled, labeled = torch.arange(len(data.labels)), labeled[:0]
+    info = DataInfo(
+        num_classes=meta.num_classes,
+        in_channels=meta.in_channels,
+        image_size=meta.image_size,
+        mean=tuple(meta.mean),
+        std=tuple(meta.std),
+        flip=meta.flip,
+    )
+    empty = torch.zeros(0, dtype=torch.long)
+    nothing = ServerData(
+        images=data.images[:0],
+        labels=data.labels[:0],
+        labeled_idx=empty,
+        val_idx=empty,
+        num_classes=meta.num_classes,
+        label_scenario=cfg.data_args.label_scenario,
+    )
+    algo = make_algorithm(cfg, info, nothing, device)
+    return SiloExperiment(
+        config=cfg,
+        silo=rank - 1,
+        data_info=info,
+        algorithm=algo,
+        device=device,
+        images=data.images,
+        labels=data.labels,
+        unlabeled_idx=unlabeled,
+        labeled_idx=labeled,
+    )
+
+
+def export_deployment(cfg: ExperimentConfig, out_dir: str | Path, backend: str = "MPI") -> Path:
+    """Materialise ``cfg``'s simulation split as deployment files and write the config that runs them.
+
+    Writes, under ``out_dir``: ``silo_{k}.npz`` for every silo, ``server.npz`` (+ ``server_val.npz``)
+    and ``test.npz`` (:func:`fedml_ssfl.data.silos.export_split`), and ``deployment.yaml``: ``cfg``
+    with ``comm_args.mode: deployment``, the FedML ``backend``, the files' absolute paths
+    (``local_data`` with the ``{silo}`` placeholder), the class count and the normalisation of the
+    simulated dataset, so that the deployment run sees exactly what the simulator sees.
+
+    Returns
+    -------
+    Path
+        The written ``deployment.yaml``.
+    """
+    import yaml
+
+    from .data.silos import SiloDataError, export_split
+
+    if backend not in ("MPI", "GRPC"):
+        raise ConfigError(f"--backend {backend}: deployment runs under FedML's MPI or GRPC")
+    dataset = load_experiment_dataset(cfg)
+    split = make_split(cfg, dataset)
+    out = Path(out_dir).expanduser().resolve()
+    try:
+        files = export_split(dataset, split, out)
+    except SiloDataError as exc:
+        raise ConfigError(str(exc)) from exc
+    raw = cfg.to_dict()
+    raw["train_args"].update(local_steps=resolve_local_steps(cfg, split), epochs=0)  # the silos' sizes are known here
+    raw["common_args"].update(training_type="cross_silo", run_name=f"{cfg.common_args.run_name}_deployment")
+    raw["common_args"]["compare_with"] = []
+    raw["comm_args"].update(backend=backend, mode="deployment")
+    raw["data_args"].update(
+        local_data=str(out / "silo_{silo}.npz"),
+        server_data=str(files["server_data"]),
+        server_val_data=str(files.get("server_val_data", "")),
+        test_data=str(files["test_data"]),
+        num_classes=dataset.num_classes,
+        norm_mean=[float(v) for v in dataset.mean],
+        norm_std=[float(v) for v in dataset.std],
+        flip=bool(dataset.flip),
+    )
+    path = out / "deployment.yaml"
+    header = (
+        f"# Deployment of {cfg.common_args.run_name}'s split (seed {cfg.common_args.random_seed}), written by\n"
+        "# `fedml-ssfl partition --export`: silo k reads only silo_k.npz, the server only server*.npz and test.npz.\n"
+    )
+    path.write_text(header + yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    return path

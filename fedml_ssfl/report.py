@@ -104,9 +104,7 @@ def load_run(path: Path, parent: Path | None = None) -> RunRecord:
     s_round = _num(summary.get("seconds_per_round")) if "seconds_per_round" in summary else float("nan")
     if math.isnan(s_round):
         s_round = sum(secs) / len(secs) if secs else float("nan")
-    model_name = summary.get("model") or (
-        f"{model.get('model')}-{model.get('norm')}" if model.get("model") else "?"
-    )
+    model_name = summary.get("model") or (f"{model.get('model')}-{model.get('norm')}" if model.get("model") else "?")
     return RunRecord(
         path=path,
         algorithm=str(algorithm),

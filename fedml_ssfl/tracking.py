@@ -50,22 +50,16 @@ class RunTracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         rows = read_metrics(self.metrics_path) if resume_round is not None else []
-        self.rows = [
-            r for r in rows if r.get("round", -1) <= (resume_round if resume_round is not None else -1)
-        ]
+        self.rows = [r for r in rows if r.get("round", -1) <= (resume_round if resume_round is not None else -1)]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(
-                    log_dir=str(self.run_dir / "tb"), purge_step=(resume_round or -1) + 1
-                )
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=(resume_round or -1) + 1)
             except ImportError:
-                log.warning(
-                    "tensorboard is not installed: no TensorBoard events (metrics.jsonl is still written)"
-                )
+                log.warning("tensorboard is not installed: no TensorBoard events (metrics.jsonl is still written)")
 
     def log_round(self, row: dict[str, Any]) -> None:
         """Append one round's metrics (flushed at once, so a crash loses nothing logged)."""
@@ -117,9 +111,7 @@ class RunTracker:
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.run_dir / "summary.json"
-        path.write_text(
-            json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n", encoding="utf-8"
-        )
+        path.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n", encoding="utf-8")
         return path
 
     def close(self) -> None:

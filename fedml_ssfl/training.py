@@ -14,7 +14,7 @@ from torch import nn
 
 from .algorithms.base import DataInfo, TrainSettings
 from .data.augment import normalize, strong_augment, to_float, weak_augment
-from .ssl.pseudo_label import PseudoLabels
+from .ssl.pseudo_label import PseudoLabels, label_hits
 
 
 class BatchStream:
@@ -355,11 +355,8 @@ def semi_supervised_steps(
             sums[k] = sums.get(k, 0.0) + float(v.detach())
         if pl is not None:
             sums["mask_rate"] = sums.get("mask_rate", 0.0) + pl.mask_rate
-            n_kept = int(pl.mask.sum())
-            if n_kept:
-                truth = labels[batch_u].to(pl.labels.device)
-                correct += int((pl.labels[pl.mask] == truth[pl.mask]).sum())
-                kept += n_kept
+            hit, counted = label_hits(pl.labels, labels[batch_u], pl.mask)
+            correct, kept = correct + hit, kept + counted
     metrics = {k: v / steps for k, v in sums.items()}
     if kept:
         metrics["pseudo_acc"] = correct / kept

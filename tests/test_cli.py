@@ -67,8 +67,12 @@ def test_export_subcommand_writes_a_verified_onnx_model(tmp_path, capsys):
 
 
 def test_report_compares_runs_in_one_table(tmp_path, capsys):
-    args = sets(*SMALL, f"common_args.output_dir={tmp_path}", "train_args.comm_round=1",
-                "common_args.compare_with=[server_only]")
+    args = sets(
+        *SMALL,
+        f"common_args.output_dir={tmp_path}",
+        "train_args.comm_round=1",
+        "common_args.compare_with=[server_only]",
+    )
     assert main(["run", *args]) == 0
     capsys.readouterr()
     assert main(["report", str(tmp_path / "mnist5k_semifl"), "--out", str(tmp_path / "cmp.png")]) == 0

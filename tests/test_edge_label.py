@@ -34,8 +34,18 @@ def models(tmp_path_factory):
         net = build_model("cnn28", num_classes=K, in_channels=1, image_size=8, norm="gn")
         with torch.no_grad():
             net.fc.weight.mul_(3.0)  # confidences around the 0.6 threshold, so masks are mixed
-        meta = EdgeMetadata(class_names=["ant", "bee", "cat", "dog"], mean=[0.3], std=[0.4], in_channels=1,
-                            image_size=8, thresholds=[0.6], round=rnd, config_hash=run, model="cnn28", norm="gn")
+        meta = EdgeMetadata(
+            class_names=["ant", "bee", "cat", "dog"],
+            mean=[0.3],
+            std=[0.4],
+            in_channels=1,
+            image_size=8,
+            thresholds=[0.6],
+            round=rnd,
+            config_hash=run,
+            model="cnn28",
+            norm="gn",
+        )
         out = tmp_path_factory.mktemp(tag)
         export_model(net, out, meta, test_images=images, quantize=False)
         paths[tag] = out / "model.ort"
@@ -73,8 +83,14 @@ def test_runs_where_torch_cannot_be_imported(models, batch, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)])}
     out = tmp_path / "labels"
-    proc = subprocess.run([sys.executable, "-c", script, str(models["v4"]), str(batch), "--out", str(out),
-                           "--batch-size", "16"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(models["v4"]), str(batch), "--out", str(out), "--batch-size", "16"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "images/s" in proc.stdout and "labeled 40 images" in proc.stdout
     assert len(_rows(out)) == 40 and len(_jsonl(out)) == 40
@@ -155,13 +171,16 @@ def test_image_folder_input(models, tmp_path):
         el.label_images(models["v4"], folder, tmp_path / "o", convert=True)
 
 
-@pytest.mark.parametrize(("array", "hint"), [
-    (np.zeros((3, 1, 8, 8), np.float32), "astype"),
-    (np.zeros((3, 3, 8, 8), np.uint8), "3 channels, the model takes 1"),
-    (np.zeros((3, 8, 8, 1), np.uint8), "channels-last"),
-    (np.zeros((3, 8, 8), np.uint8), r"images\[:, None\]"),
-    (np.zeros((3, 1, 16, 16), np.uint8), "got uint8 array of shape"),
-])
+@pytest.mark.parametrize(
+    ("array", "hint"),
+    [
+        (np.zeros((3, 1, 8, 8), np.float32), "astype"),
+        (np.zeros((3, 3, 8, 8), np.uint8), "3 channels, the model takes 1"),
+        (np.zeros((3, 8, 8, 1), np.uint8), "channels-last"),
+        (np.zeros((3, 8, 8), np.uint8), r"images\[:, None\]"),
+        (np.zeros((3, 1, 16, 16), np.uint8), "got uint8 array of shape"),
+    ],
+)
 def test_wrong_input_is_refused_naming_the_expected_input(models, tmp_path, array, hint):
     path = tmp_path / "bad.npy"
     np.save(path, array)

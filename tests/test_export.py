@@ -22,9 +22,15 @@ from mobile_export import export as ex
 from mobile_export.verify import make_session, run_session
 
 RUN_OVERRIDES = [
-    "train_args.comm_round=1", "train_args.local_steps=2", "common_args.compare_with=[]",
-    "tracking_args.progress_bar=false", "tracking_args.enable_tensorboard=false", "data_args.dataset=digits",
-    "model_args.model=cnn28", "train_args.client_num_in_total=2", "train_args.client_num_per_round=2",
+    "train_args.comm_round=1",
+    "train_args.local_steps=2",
+    "common_args.compare_with=[]",
+    "tracking_args.progress_bar=false",
+    "tracking_args.enable_tensorboard=false",
+    "data_args.dataset=digits",
+    "model_args.model=cnn28",
+    "train_args.client_num_in_total=2",
+    "train_args.client_num_per_round=2",
 ]
 
 
@@ -71,14 +77,29 @@ def full_export(trained_run, tmp_path_factory):
 def test_export_run_writes_verified_float_ort_and_int8_models(full_export, trained_run):
     report, out = full_export
     assert report.ok
-    for name in ("model.onnx", "model.ort", "model.int8.onnx", "model.int8.ort", "export_report.json",
-                 "mobile_usability.txt", "mobile_usability.int8.txt"):
+    for name in (
+        "model.onnx",
+        "model.ort",
+        "model.int8.onnx",
+        "model.int8.ort",
+        "export_report.json",
+        "mobile_usability.txt",
+        "mobile_usability.int8.txt",
+    ):
         assert (out / name).is_file(), name
     saved = json.loads((out / "export_report.json").read_text())
     assert saved["status"] == "ok" and saved["exporter"]["exporter"] == "dynamo" and saved["exporter"]["opset"] == 18
     checks = saved["checks"]
-    for name in ("onnx_checker", "mobile_usability", "parity_onnx", "parity_ort", "int8_onnx_checker",
-                 "int8_mobile_usability", "int8_gates", "int8_ort_gates"):
+    for name in (
+        "onnx_checker",
+        "mobile_usability",
+        "parity_onnx",
+        "parity_ort",
+        "int8_onnx_checker",
+        "int8_mobile_usability",
+        "int8_gates",
+        "int8_ort_gates",
+    ):
         assert checks[name]["passed"], name
     # parity on the whole digits test set (359 images < 1,000)
     assert checks["parity_onnx"]["samples"] == saved["source"]["test_images_available"] == 359
@@ -133,12 +154,19 @@ def test_int8_model_is_qdq_with_float_tail(full_export):
     tail = {"Softmax", "ReduceMax", "ArgMax", "GatherND", "Gather", "GreaterOrEqual", "Unsqueeze"}
     for node in model.graph.node:
         if node.op_type in tail:
-            assert all(producers[i].op_type not in ("QuantizeLinear", "DequantizeLinear")
-                       for i in node.input if i in producers), node.name
+            assert all(
+                producers[i].op_type not in ("QuantizeLinear", "DequantizeLinear") for i in node.input if i in producers
+            ), node.name
     # per-channel weights: the first conv's weight scale has one entry per output channel
     inits = {t.name: t for t in model.graph.initializer}
-    dq_weight = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
-                     and inits[n.input[0]].data_type == onnx.TensorProto.INT8 and len(inits[n.input[0]].dims) == 4)
+    dq_weight = next(
+        n
+        for n in model.graph.node
+        if n.op_type == "DequantizeLinear"
+        and n.input[0] in inits
+        and inits[n.input[0]].data_type == onnx.TensorProto.INT8
+        and len(inits[n.input[0]].dims) == 4
+    )
     assert list(inits[dq_weight.input[1]].dims) == [inits[dq_weight.input[0]].dims[0]]
 
 
@@ -180,8 +208,9 @@ def test_checkpoint_thresholds_and_a_group_model(trained_run, tmp_path):
         report = ex.export_run(other_ckpt, tmp_path, quantize=False, parity_samples=200)
         with pytest.raises(ex.ExportError, match=r"no '7' under 'algorithm.group_states' \(there: 1\)"):
             ex.export_run(other_ckpt, tmp_path / "g7", weights="group_states.7")
-        group_report = ex.export_run(other_ckpt, tmp_path / "g1", quantize=False, parity_samples=50,
-                                     weights="group_states.1")
+        group_report = ex.export_run(
+            other_ckpt, tmp_path / "g1", quantize=False, parity_samples=50, weights="group_states.1"
+        )
     finally:
         other_ckpt.unlink()
     meta = report.metadata
@@ -215,8 +244,18 @@ def test_cli_hooks(trained_run, tmp_path, capsys):
     bad = parser.parse_args([str(trained_run), "--out", str(tmp_path / "bad"), "--threshold", "0.5", "0.6"])
     assert ex.run_export_from_args(bad) == 1
     assert "2 values" in capsys.readouterr().err
-    args = parser.parse_args([str(trained_run / "checkpoints" / "last.pt"), "--no-int8", "--threshold", "0.7",
-                              "--parity-samples", "50", "--opset", "17"])
+    args = parser.parse_args(
+        [
+            str(trained_run / "checkpoints" / "last.pt"),
+            "--no-int8",
+            "--threshold",
+            "0.7",
+            "--parity-samples",
+            "50",
+            "--opset",
+            "17",
+        ]
+    )
     assert ex.default_out_dir(args.source) == trained_run / "export"
     args.out = str(tmp_path / "ok")
     with pytest.warns(ex.ExporterFallbackWarning, match="opset 17"):  # dynamo writes >= 18; legacy honours 17
@@ -255,8 +294,15 @@ def _channels(spec) -> int:
 
 
 def _meta(channels: int, size: int, k: int = 10) -> ex.EdgeMetadata:
-    return ex.EdgeMetadata(class_names=[f"c{i}" for i in range(k)], mean=[0.4] * channels, std=[0.3] * channels,
-                           in_channels=channels, image_size=size, thresholds=[0.15], model="m")
+    return ex.EdgeMetadata(
+        class_names=[f"c{i}" for i in range(k)],
+        mean=[0.4] * channels,
+        std=[0.3] * channels,
+        in_channels=channels,
+        image_size=size,
+        thresholds=[0.15],
+        model="m",
+    )
 
 
 def _random_model(name: str, norm: str, channels: int, size: int) -> nn.Module:
@@ -275,8 +321,9 @@ def test_every_registry_model_exports_with_parity(name, norm, tmp_path):
     size = 8 if spec.accepts_image_size(8) else spec.image_sizes[0]
     channels = _channels(spec)
     images = np.random.default_rng(0).integers(0, 256, (48, channels, size, size), dtype=np.uint8)
-    report = ex.export_model(_random_model(name, norm, channels, size), tmp_path, _meta(channels, size),
-                             test_images=images, quantize=False)
+    report = ex.export_model(
+        _random_model(name, norm, channels, size), tmp_path, _meta(channels, size), test_images=images, quantize=False
+    )
     assert report.ok and report.exporter["exporter"] == "dynamo"
     assert report.checks["parity_onnx"]["passed"] and report.checks["parity_ort"]["passed"]
     assert report.checks["onnx_checker"]["passed"]
@@ -308,8 +355,9 @@ def test_legacy_exporter_is_the_fallback(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.onnx, "export", dynamo_breaks)
     images = np.random.default_rng(0).integers(0, 256, (16, 1, 8, 8), dtype=np.uint8)
     with pytest.warns(ex.ExporterFallbackWarning, match="legacy"):
-        report = ex.export_model(_random_model("cnn28", "bn", 1, 8), tmp_path, _meta(1, 8), test_images=images,
-                                 quantize=False)
+        report = ex.export_model(
+            _random_model("cnn28", "bn", 1, 8), tmp_path, _meta(1, 8), test_images=images, quantize=False
+        )
     assert report.exporter["exporter"] == "legacy" and "simulated" in report.exporter["fallback_reason"]
     assert report.checks["parity_onnx"]["passed"]
     sess = make_session(tmp_path / "model.onnx")
@@ -349,5 +397,10 @@ def test_quantize_needs_calibration_images(tmp_path):
     with pytest.raises(ex.ExportError, match="calibrat"):
         ex.export_model(_random_model("cnn28", "gn", 1, 8), tmp_path, _meta(1, 8), test_images=images)
     with pytest.raises(ex.ExportError, match=r"expected uint8 images of shape \(N, 1, 8, 8\)"):
-        ex.export_model(_random_model("cnn28", "gn", 1, 8), tmp_path, _meta(1, 8),
-                        test_images=images.astype(np.float32), quantize=False)
+        ex.export_model(
+            _random_model("cnn28", "gn", 1, 8),
+            tmp_path,
+            _meta(1, 8),
+            test_images=images.astype(np.float32),
+            quantize=False,
+        )

@@ -121,9 +121,7 @@ def test_r_out_of_range() -> None:
 @pytest.mark.parametrize("method", ["iid", "r", "dirichlet", "shards"])
 def test_sizes_add_up(method: str) -> None:
     labels = imbalanced_labels()
-    split = build_split(
-        labels, 10, num_clients=10, seed=2, method=method, num_server_labels=53, num_server_val=20
-    )
+    split = build_split(labels, 10, num_clients=10, seed=2, method=method, num_server_labels=53, num_server_val=20)
     joined = assert_disjoint(split)
     assert len(joined) == len(labels)
     assert split.num_clients == 10 and len(split.client_labeled) == 10
@@ -160,9 +158,7 @@ def test_dirichlet_alpha_controls_skew() -> None:
 
 def test_dirichlet_fills_empty_clients() -> None:
     labels = balanced_labels(per_class=10, num_classes=2)
-    split = build_split(
-        labels, 2, num_clients=12, seed=3, method="dirichlet", alpha=0.01, num_server_labels=2
-    )
+    split = build_split(labels, 2, num_clients=12, seed=3, method="dirichlet", alpha=0.01, num_server_labels=2)
     assert min(len(u) for u in split.client_unlabeled) >= 1
 
 

@@ -19,8 +19,6 @@ def balanced_labels(per_class: int = 300, num_classes: int = 10) -> torch.Tensor
     return torch.arange(num_classes).repeat_interleave(per_class)
 
 
-
-
 def classes_of(labels: torch.Tensor, idx: torch.Tensor) -> set[int]:
     return set(labels[idx].tolist())
 

@@ -97,9 +97,7 @@ def test_global_stream_is_seeded_per_party_and_restores_the_outer_stream():
 def test_resume_is_exact_for_a_dropout_model(small_config, tmp_path):
     # fedsiam_cifar_cnn has dropout, which draws from torch's global stream: the runtime seeds it
     # per (round, party), so a resumed run sees the same dropout masks as an uninterrupted one
-    cfg = small_config(
-        "ssfl_args.algorithm=fedavg_sl", "model_args.model=fedsiam_cifar_cnn", "train_args.comm_round=3"
-    )
+    cfg = small_config("ssfl_args.algorithm=fedavg_sl", "model_args.model=fedsiam_cifar_cnn", "train_args.comm_round=3")
     resume_matches_uninterrupted(cfg, tmp_path, stop_after=1)
 
 

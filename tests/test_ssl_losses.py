@@ -35,3 +35,15 @@ def test_classwise_thresholds_apply_to_the_predicted_class():
     pl = pseudo_labels(probs, torch.tensor([0.6, 0.9]))
     assert pl.mask.tolist() == [True, False]
     assert pl.accuracy(torch.tensor([0, 1])) == 1.0
+
+
+def test_label_hits_counts_only_kept_samples_whose_class_is_known():
+    from fedml_ssfl.ssl.pseudo_label import label_hits
+
+    pred = torch.tensor([0, 1, 2, 3])
+    truth = torch.tensor([0, 2, -1, 3])  # a deployed silo's unlabeled sample carries -1
+    assert label_hits(pred, truth) == (2, 3)
+    assert label_hits(pred, truth, torch.tensor([True, True, True, False])) == (1, 2)
+    pl = pseudo_labels(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), 0.5)
+    assert math.isnan(pl.accuracy(torch.tensor([-1, -1])))
+    assert pl.accuracy(torch.tensor([0, -1])) == 1.0

@@ -58,9 +58,7 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor occupies on the wire: values (+ indices when sparse)."""
     if t.is_sparse:
         t = t.coalesce()
-        return (
-            t.values().numel() * t.values().element_size() + t.indices().numel() * t.indices().element_size()
-        )
+        return t.values().numel() * t.values().element_size() + t.indices().numel() * t.indices().element_size()
     return t.numel() * t.element_size()
 
 
@@ -285,9 +283,7 @@ class Algorithm:
         raise NotImplementedError
 
     # ---- client side -------------------------------------------------------------------
-    def client_update(
-        self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext
-    ) -> Message:
+    def client_update(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> Message:
         """A pure function of (message, local data, the client's own state, context).
 
         Must not read server attributes other than the immutable construction arguments
@@ -295,4 +291,3 @@ class Algorithm:
         persistent dict, mutated in place.
         """
         raise NotImplementedError
-

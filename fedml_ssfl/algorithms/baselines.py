@@ -96,16 +96,12 @@ class FedAvgSL(GlobalModelAlgorithm):
             ctx.generator(data.client_id),
             party=client_party(data.client_id),
         )
-        return Message(
-            weights=cpu_state(model), num_samples=int(idx.numel()), extras={"metrics": {"loss": loss}}
-        )
+        return Message(weights=cpu_state(model), num_samples=int(idx.numel()), extras={"metrics": {"loss": loss}})
 
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
         states = [m.weights for m in replies.values() if not m.is_empty]
         if self._server_state is not None:
             self.global_state = fedavg_with_server(self._server_state, states)
         elif states:
-            self.global_state = weighted_average(
-                states, [m.num_samples for m in replies.values() if not m.is_empty]
-            )
+            self.global_state = weighted_average(states, [m.num_samples for m in replies.values() if not m.is_empty])
         return {}

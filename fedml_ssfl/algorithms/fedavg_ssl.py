@@ -74,6 +74,7 @@ from .. import seeding
 from ..aggregation import fedavg_with_server, grouping_average, weight_diversity
 from ..config import ConfigError
 from ..ssl import masked_consistency_loss
+from ..ssl.pseudo_label import label_hits
 from ..training import (
     BatchStream,
     InputPipeline,
@@ -297,11 +298,8 @@ class FedAvgSSL(GlobalModelAlgorithm):
             opt.step()
             loss_sum += float(loss.detach())
             mask_sum += pl.mask_rate
-            n_kept = int(pl.mask.sum())
-            if n_kept:
-                truth = data.labels[batch].to(pl.labels.device)
-                correct += float((pl.labels[pl.mask] == truth[pl.mask]).sum())
-                kept += n_kept
+            hit, counted = label_hits(pl.labels, data.labels[batch], pl.mask)
+            correct, kept = correct + hit, kept + counted
         if cfg.persistent_momentum:
             state["momentum"] = momentum_buffers(opt, model)
         out = cpu_state(model)

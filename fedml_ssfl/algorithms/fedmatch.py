@@ -144,6 +144,7 @@ from ..helper_selection import model_embedding, nearest_helpers, probe_input
 from ..sparse import densify, density, hard_threshold, num_values, sparsify
 from ..ssl import PseudoLabels, kl_consistency
 from ..ssl.agreement import agreement_pseudo_labels
+from ..ssl.pseudo_label import label_hits
 from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state, set_lr
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite, message_nbytes
 from .common import GlobalModelAlgorithm, client_party
@@ -690,10 +691,8 @@ class FedMatch(GlobalModelAlgorithm):
                 for key, v in (("loss_u", loss_u), ("loss_agree", loss_a), ("loss_kl", loss_i), ("l2", l2)):
                     sums[key] = sums.get(key, 0.0) + float(v.detach())
                 sums["mask_rate"] = sums.get("mask_rate", 0.0) + pl.mask_rate
-                if bool(pl.mask.any()):
-                    truth = labels[b].to(pl.labels.device)  # diagnostics only
-                    correct += int((pl.labels[pl.mask] == truth[pl.mask]).sum())
-                    kept += int(pl.mask.sum())
+                hit, counted = label_hits(pl.labels, labels[b], pl.mask)  # diagnostics only
+                correct, kept = correct + hit, kept + counted
         metrics = {k: v / max(steps, 1) for k, v in sums.items()}
         if kept:
             metrics["pseudo_acc"] = correct / kept

@@ -72,6 +72,7 @@ from .. import seeding
 from ..aggregation import weighted_average
 from ..config import ConfigError
 from ..ssl.negative import complementary_loss, sample_complementary_labels
+from ..ssl.pseudo_label import label_hits
 from ..training import (
     BatchStream,
     InputPipeline,
@@ -431,10 +432,12 @@ class FedSEAL(GlobalModelAlgorithm):
             "neg_rate": neg.numel() / n,
             "ensemble_size": float(state.get("ensemble_count", 1)),
         }
-        if pos.numel():
-            metrics["pseudo_acc"] = float((sets.pos_labels[pos] == truth[pos]).float().mean())
-        if neg.numel():
-            metrics["neg_label_acc"] = float((sets.neg_labels[neg] != truth[neg]).float().mean())
+        hit, counted = label_hits(sets.pos_labels[pos], truth[pos])
+        if counted:
+            metrics["pseudo_acc"] = hit / counted
+        hit, counted = label_hits(sets.neg_labels[neg], truth[neg])
+        if counted:
+            metrics["neg_label_acc"] = 1.0 - hit / counted  # a negative label is right when it is not the class
         if pos.numel() == 0 and neg.numel() == 0:
             return Message(extras={"metrics": metrics})
 

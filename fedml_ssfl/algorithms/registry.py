@@ -63,4 +63,3 @@ def get_algorithm(name: str) -> type[Algorithm]:
 def create(name: str, **kwargs) -> Algorithm:
     """Instantiate algorithm ``name`` with the :class:`Algorithm` constructor arguments."""
     return get_algorithm(name)(**kwargs)
-

@@ -105,6 +105,7 @@ from .. import seeding
 from ..aggregation import weighted_average
 from ..config import ConfigError
 from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
+from ..ssl.pseudo_label import label_hits
 from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings, check_finite
 from .common import GlobalModelAlgorithm, client_party
@@ -568,13 +569,15 @@ class SemiFL(GlobalModelAlgorithm):
         probs = predict_probs(model, pipeline, data.images, data.unlabeled_idx, gen, augment="weak")
         sets = fix_mix_sets(probs, self.config.threshold, gen)
         truth = data.labels[data.unlabeled_idx]
-        metrics: dict[str, float] = {
-            "mask_rate": sets.fix.numel() / n,
-            "pseudo_acc_all": float((probs.argmax(dim=1) == truth).float().mean()),
-        }
+        metrics: dict[str, float] = {"mask_rate": sets.fix.numel() / n}
+        hit, counted = label_hits(probs.argmax(dim=1), truth)
+        if counted:
+            metrics["pseudo_acc_all"] = hit / counted
         if sets.fix.numel() == 0:
             return metrics, False
-        metrics["pseudo_acc"] = float((sets.fix_labels == truth[sets.fix]).float().mean())
+        hit, counted = label_hits(sets.fix_labels, truth[sets.fix])
+        if counted:
+            metrics["pseudo_acc"] = hit / counted
         model.train()
         opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
         party = client_party(data.client_id)
@@ -637,7 +640,7 @@ class SemiFL(GlobalModelAlgorithm):
         opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
         truth_all = data.labels
         party = client_party(data.client_id)
-        kept = correct = seen = 0
+        kept = correct = counted = seen = 0
         loss_sum = lam_sum = 0.0
         taken = 0
         for b in batches:
@@ -647,7 +650,8 @@ class SemiFL(GlobalModelAlgorithm):
             if sets.fix.numel() == 0:
                 continue
             kept += sets.fix.numel()
-            correct += int((sets.fix_labels == truth_all[b[sets.fix]]).sum())
+            hit, known = label_hits(sets.fix_labels, truth_all[b[sets.fix]])
+            correct, counted = correct + hit, counted + known
             model.train()
             loss, lam = self._step(
                 model,
@@ -668,8 +672,9 @@ class SemiFL(GlobalModelAlgorithm):
         metrics: dict[str, float] = {"mask_rate": kept / max(seen, 1)}
         if taken == 0:
             return metrics, False
+        if counted:
+            metrics["pseudo_acc"] = correct / counted
         metrics.update(
-            pseudo_acc=correct / kept,
             loss=loss_sum / taken,
             mix_lambda=lam_sum / taken,
             local_steps=float(taken),

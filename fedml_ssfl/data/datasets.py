@@ -9,6 +9,9 @@ subset) and ``digits`` (scikit-learn's 8x8 digits). ``synthetic`` is generated. 
 (CIFAR-10/100, SVHN, MNIST, Fashion-MNIST, EMNIST-balanced) are read from ``root`` in their
 published on-disk formats by the small readers below; torchvision is used only to download them
 when ``download=True`` (its dataset classes md5-check files, which our readers do not need).
+A user's own data is read by ``npz`` (``root/train.npz``, ``root/test.npz``) and ``folder``
+(``root/train/<class>/<image>``, ``root/test/<class>/<image>``), with the readers of
+:mod:`fedml_ssfl.data.local_files`; :func:`register_dataset` adds any other loader.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import difflib
 import gzip
 import inspect
 import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedml_ssfl.data.local_files import (
+    DataFormatError,
+    LocalImages,
+    read_image_folder,
+    read_npz,
+)
 from fedml_ssfl.data.partition import largest_remainder
 from fedml_ssfl.seeding import numpy_rng
 
@@ -67,6 +77,9 @@ class ImageDataset:
         Per-channel statistics for inputs scaled to ``[0, 1]``.
     flip : bool
         Whether a random horizontal flip suits the data (False for digits and letters).
+    num_server_val : int
+        FedML deployment mode only (:mod:`fedml_ssfl.data.silos`): the server's dataset, whose last
+        ``num_server_val`` training samples are its validation set; 0 everywhere else.
     """
 
     name: str
@@ -79,6 +92,7 @@ class ImageDataset:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     flip: bool
+    num_server_val: int = 0
 
     @property
     def in_channels(self) -> int:
@@ -207,9 +221,7 @@ def _synthetic_split(
     return np.clip(np.rint(images), 0, 255).astype(np.uint8), labels.astype(np.int64)
 
 
-def _synthetic_prototypes(
-    num_classes: int, shape: tuple[int, int, int], rng: np.random.Generator
-) -> np.ndarray:
+def _synthetic_prototypes(num_classes: int, shape: tuple[int, int, int], rng: np.random.Generator) -> np.ndarray:
     """One smooth random image per class: 4x4-pixel blocks of random grey levels in 32..223."""
     c, h, w = shape
     coarse = rng.uniform(32.0, 224.0, size=(num_classes, c, -(-h // 4), -(-w // 4)))
@@ -298,11 +310,7 @@ def read_idx(path: str | Path) -> np.ndarray:
     count = int(np.prod(dims)) if dims else 1
     if len(data) - offset != count * dtype.itemsize:
         raise ValueError(f"{path}: IDX header says {dims} but the payload has {len(data) - offset} bytes")
-    return (
-        np.frombuffer(data, dtype=dtype, count=count, offset=offset)
-        .reshape(dims)
-        .astype(dtype.newbyteorder("="))
-    )
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(dims).astype(dtype.newbyteorder("="))
 
 
 def _find_idx(folder: Path, stem: str) -> Path | None:
@@ -408,9 +416,7 @@ def _files_present(folder: Path, files: list[str], idx: bool = False) -> bool:
     return all((folder / f).is_file() for f in files)
 
 
-def _maybe_download(
-    name: str, root: Path, folder: Path, files: list[str], download: bool, idx: bool = False
-) -> None:
+def _maybe_download(name: str, root: Path, folder: Path, files: list[str], download: bool, idx: bool = False) -> None:
     """Download with torchvision when asked and the files are not all there yet."""
     if download and not _files_present(folder, files, idx):
         _download(name, root)
@@ -500,9 +506,7 @@ def _load_mnist(root: Path, download: bool, seed: int) -> ImageDataset:
 def _load_fashion_mnist(root: Path, download: bool, seed: int) -> ImageDataset:
     """Fashion-MNIST from torchvision's layout ``root/FashionMNIST/raw``."""
     train, test = _load_idx_dataset("fashion_mnist", root, "FashionMNIST/raw", _MNIST_STEMS, download)
-    return _real_dataset(
-        "fashion_mnist", train, test, list(_FASHION_NAMES), ((0.2860,), (0.3530,)), flip=True
-    )
+    return _real_dataset("fashion_mnist", train, test, list(_FASHION_NAMES), ((0.2860,), (0.3530,)), flip=True)
 
 
 def _first_per_class(labels: np.ndarray, limit: int) -> np.ndarray:
@@ -515,9 +519,7 @@ def _first_per_class(labels: np.ndarray, limit: int) -> np.ndarray:
     return np.flatnonzero(rank < limit)
 
 
-def _load_emnist_balanced(
-    root: Path, download: bool, seed: int, per_class_limit: int | None = 2400
-) -> ImageDataset:
+def _load_emnist_balanced(root: Path, download: bool, seed: int, per_class_limit: int | None = 2400) -> ImageDataset:
     """EMNIST-balanced (47 classes) from ``root/EMNIST/raw``, train truncated per class (Zhang et al. A.1).
 
     EMNIST stores images transposed; they are transposed back here. ``per_class_limit`` keeps the
@@ -540,6 +542,110 @@ def _load_emnist_balanced(
 
 
 # --------------------------------------------------------------------------------------------
+# a user's own data: root/{train,test}.npz or root/{train,test}/<class>/<image>
+# --------------------------------------------------------------------------------------------
+
+
+def _read_local_split(name: str, path: Path, reader: Callable[[Path], LocalImages], layout: str) -> LocalImages:
+    """One split of a user's dataset; a missing file or folder names the expected layout."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"dataset {name!r}: {path} not found; expected {layout} "
+            "(`data_args.data_cache_dir` is the folder holding them)"
+        )
+    data = reader(path)
+    unlabeled = int((data.labels < 0).sum())
+    if unlabeled:
+        raise DataFormatError(
+            f"{path}: {unlabeled} of {len(data)} samples have no label (-1); dataset {name!r} needs every "
+            "train and test sample labeled (the simulator hides client labels itself); a silo's own unlabeled "
+            "data belongs to the FedML deployment mode (`data_args.local_data`)"
+        )
+    return data
+
+
+def _local_class_names(train: LocalImages, test: LocalImages) -> list[str]:
+    """Class names from the data (train's, else test's), else ``class_<k>`` up to the largest label."""
+    if train.class_names and test.class_names and train.class_names != test.class_names:
+        raise DataFormatError(
+            f"{train.source} and {test.source} list different class_names "
+            f"({train.class_names} vs {test.class_names}); save the same list in both"
+        )
+    names = train.class_names or test.class_names
+    if names:
+        return list(names)
+    top = max(int(train.labels.max()), int(test.labels.max()))
+    return [f"class_{k}" for k in range(top + 1)]
+
+
+def _check_local_shapes(train: LocalImages, test: LocalImages) -> None:
+    """Train and test must share channels and size, and images must be square (the models assume it)."""
+    (_, c, h, w), (_, ct, ht, wt) = train.images.shape, test.images.shape
+    if (c, h, w) != (ct, ht, wt):
+        raise DataFormatError(
+            f"{train.source} has images {c}x{h}x{w} (C x H x W) but {test.source} has {ct}x{ht}x{wt}; "
+            "save both splits with the same channels and size"
+        )
+    if h != w:
+        raise DataFormatError(
+            f"{train.source}: images are {h}x{w} (H x W) but the models take square images; crop or resize them"
+        )
+
+
+def _local_dataset(name: str, train: LocalImages, test: LocalImages, flip: bool) -> ImageDataset:
+    """An :class:`ImageDataset` from labeled train and test :class:`LocalImages`."""
+    _check_local_shapes(train, test)
+    class_names = _local_class_names(train, test)
+    for split in (train, test):
+        top = int(split.labels.max())
+        if top >= len(class_names):
+            raise DataFormatError(
+                f"{split.source}: label {top} but the class names are {class_names}; "
+                "save class_names listing every class in both splits"
+            )
+    mean, std = _channel_stats(train.images)
+    return ImageDataset(
+        name=name,
+        train_images=train.images.contiguous(),
+        train_labels=train.labels,
+        test_images=test.images.contiguous(),
+        test_labels=test.labels,
+        num_classes=len(class_names),
+        class_names=class_names,
+        mean=mean,
+        std=std,
+        flip=bool(flip),
+    )
+
+
+def _load_npz(root: Path, download: bool, seed: int, flip: bool = False) -> ImageDataset:
+    """A user's dataset from ``root/train.npz`` and ``root/test.npz`` (layout: :mod:`.local_files`).
+
+    Every sample needs a label; ``num_classes`` is ``len(class_names)`` when the files have them, else
+    the largest label + 1. Mean and std come from the training images.
+    """
+    layout = "train.npz and test.npz (keys images, labels, optional class_names)"
+    train = _read_local_split("npz", root / "train.npz", read_npz, layout)
+    test = _read_local_split("npz", root / "test.npz", read_npz, layout)
+    return _local_dataset("npz", train, test, flip)
+
+
+def _load_folder(root: Path, download: bool, seed: int, flip: bool = False) -> ImageDataset:
+    """A user's dataset from ``root/train/<class>/<image>`` and ``root/test/<class>/<image>``.
+
+    Class names are train's sorted sub-folder names; a test sub-folder must be one of them.
+    """
+    layout = "train/<class>/<image> and test/<class>/<image>"
+    train = _read_local_split("folder", root / "train", read_image_folder, layout)
+
+    def read_test(path: Path) -> LocalImages:
+        return read_image_folder(path, class_names=train.class_names)
+
+    test = _read_local_split("folder", root / "test", read_test, layout)
+    return _local_dataset("folder", train, test, flip)
+
+
+# --------------------------------------------------------------------------------------------
 # registry and entry point
 # --------------------------------------------------------------------------------------------
 
@@ -555,11 +661,69 @@ _REGISTRY: dict[str, _Loader] = {
     "mnist": _load_mnist,
     "fashion_mnist": _load_fashion_mnist,
     "emnist_balanced": _load_emnist_balanced,
+    "npz": _load_npz,
+    "folder": _load_folder,
 }
 
 
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+
+
+def _check_loader_signature(name: str, loader: Any) -> None:
+    """A loader must be callable as ``loader(root, download, seed, **options)``."""
+    if not callable(loader):
+        raise TypeError(f"register_dataset({name!r}): the loader must be callable, got {type(loader).__name__}")
+    try:
+        params = list(inspect.signature(loader).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"register_dataset({name!r}): cannot read the loader's signature ({exc})") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise TypeError(
+            f"register_dataset({name!r}): the loader takes {len(positional)} positional parameter(s); "
+            "it must take (root, download, seed, **options)"
+        )
+
+
+def register_dataset(name: str, loader: _Loader, *, overwrite: bool = False) -> None:
+    """Register a dataset loader so that :func:`load_dataset` and ``data_args.dataset`` accept ``name``.
+
+    Parameters
+    ----------
+    name : str
+        Letters, digits, ``_`` and ``-``, starting with a letter or ``_``.
+    loader : callable
+        ``loader(root: Path, download: bool, seed: int, **options) -> ImageDataset``; its keyword
+        parameters after the first three are the options it accepts. Its result is checked on every load.
+    overwrite : bool
+        Replace an already registered loader of the same name (default: refuse).
+
+    Raises
+    ------
+    ValueError
+        A malformed name, or a name already registered without ``overwrite=True``.
+    TypeError
+        The loader is not callable with ``(root, download, seed)``.
+
+    Examples
+    --------
+    >>> def my_loader(root, download, seed):  # doctest: +SKIP
+    ...     return load_dataset("digits", root, download, seed)
+    >>> register_dataset("my_digits", my_loader)  # doctest: +SKIP
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"register_dataset: name {name!r} must be a non-empty string of letters, digits, '_' or '-', "
+            "starting with a letter or '_'"
+        )
+    _check_loader_signature(name, loader)
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"dataset {name!r} is already registered; pass overwrite=True to replace it")
+    _REGISTRY[name] = loader
+
+
 def available_datasets() -> list[str]:
-    """Names accepted by :func:`load_dataset`, sorted.
+    """Names accepted by :func:`load_dataset`, sorted (registered ones included).
 
     Returns
     -------
@@ -579,12 +743,56 @@ def _resolve(name: str) -> _Loader:
 
 
 def _check_options(name: str, loader: _Loader, options: dict[str, Any]) -> None:
-    """Reject options the loader does not take, naming the ones it does."""
-    params = list(inspect.signature(loader).parameters)[3:]
-    unknown = sorted(set(options) - set(params))
+    """Reject options the loader does not take, naming the ones it does (a ``**options`` loader takes any)."""
+    params = list(inspect.signature(loader).parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = [p.name for p in params[3:] if p.kind is not p.VAR_POSITIONAL]
+    unknown = sorted(set(options) - set(names))
     if unknown:
-        allowed = ", ".join(params) if params else "none"
+        allowed = ", ".join(names) if names else "none"
         raise ValueError(f"dataset {name!r} does not take option(s) {unknown}; it takes: {allowed}")
+
+
+def _check_images(split: str, images: Any, labels: Any) -> str | None:
+    """What is wrong with one split's tensors, or None."""
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.ndim != 4:
+        got = f"{images.dtype} {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
+        return f"{split}_images must be a uint8 (N, C, H, W) tensor, got {got}"
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.shape != images.shape[:1]:
+        got = f"{labels.dtype} {tuple(labels.shape)}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        return f"{split}_labels must be an int64 ({images.shape[0]},) tensor, got {got}"
+    return None
+
+
+def _dataset_problem(ds: Any) -> str | None:
+    """What is wrong with a loader's result, or None when it is a well-formed :class:`ImageDataset`."""
+    if not isinstance(ds, ImageDataset):
+        return f"returned {type(ds).__name__}, not an ImageDataset"
+    for split in ("train", "test"):
+        problem = _check_images(split, getattr(ds, f"{split}_images"), getattr(ds, f"{split}_labels"))
+        if problem:
+            return problem
+    train_shape, test_shape = tuple(ds.train_images.shape), tuple(ds.test_images.shape)
+    if train_shape[0] == 0 or train_shape[1:] != test_shape[1:]:
+        return f"train and test images must be non-empty and of one (C, H, W), got {train_shape} and {test_shape}"
+    if not isinstance(ds.num_classes, int) or ds.num_classes < 1 or len(ds.class_names) != ds.num_classes:
+        return f"num_classes ({ds.num_classes!r}) must be a positive int equal to len(class_names)"
+    for labels in (ds.train_labels, ds.test_labels):
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= ds.num_classes):
+            return f"labels must lie in 0..{ds.num_classes - 1}, got {int(labels.min())}..{int(labels.max())}"
+    if len(ds.mean) != ds.in_channels or len(ds.std) != ds.in_channels:
+        return f"mean and std need one value per channel ({ds.in_channels})"
+    return None
+
+
+def _checked(name: str, ds: Any) -> ImageDataset:
+    """The loader's result, made contiguous, or a ValueError naming the dataset and the fault."""
+    problem = _dataset_problem(ds)
+    if problem:
+        raise ValueError(f"dataset {name!r}: the loader {problem}")
+    ds.train_images, ds.test_images = ds.train_images.contiguous(), ds.test_images.contiguous()
+    return ds
 
 
 def load_dataset(
@@ -604,7 +812,8 @@ def load_dataset(
         Only ``synthetic`` depends on it; the shipped sets use a fixed train/test split.
     **options
         Dataset-specific options: ``synthetic`` takes ``num_samples``, ``num_test``,
-        ``num_classes``, ``shape``, ``noise``; ``emnist_balanced`` takes ``per_class_limit``.
+        ``num_classes``, ``shape``, ``noise``; ``emnist_balanced`` takes ``per_class_limit``;
+        ``npz`` and ``folder`` take ``flip``.
 
     Returns
     -------
@@ -614,10 +823,12 @@ def load_dataset(
     Raises
     ------
     ValueError
-        Unknown dataset name or option.
+        Unknown dataset name or option; a user's files that do not match their layout
+        (:class:`~fedml_ssfl.data.local_files.DataFormatError`); a loader whose result is not a
+        well-formed :class:`ImageDataset` (uint8 NCHW images, int64 labels in ``0..num_classes-1``).
     FileNotFoundError
         A real dataset's files are missing from ``root``; the message lists them.
     """
     loader = _resolve(name)
     _check_options(name, loader, options)
-    return loader(Path(root).expanduser(), download, seed, **options)
+    return _checked(name, loader(Path(root).expanduser(), download, seed, **options))

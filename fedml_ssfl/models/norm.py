@@ -52,8 +52,7 @@ def make_norm(kind: str, channels: int, groups: int = 32) -> nn.Module:
         num_groups = min(groups, channels)
         if channels % num_groups != 0:
             raise ValueError(
-                f"GroupNorm needs channels divisible by the number of groups: "
-                f"{channels} channels, {num_groups} groups"
+                f"GroupNorm needs channels divisible by the number of groups: {channels} channels, {num_groups} groups"
             )
         return nn.GroupNorm(num_groups, channels)
     if kind == "none":

@@ -172,9 +172,7 @@ def model_spec(name: str) -> ModelSpec:
         ) from None
 
 
-def build_model(
-    name: str, *, num_classes: int, in_channels: int, image_size: int, norm: str = "gn"
-) -> nn.Module:
+def build_model(name: str, *, num_classes: int, in_channels: int, image_size: int, norm: str = "gn") -> nn.Module:
     """Build a registered model after checking the request against its :class:`ModelSpec`.
 
     Parameters
@@ -218,8 +216,7 @@ def build_model(
         )
     if not spec.accepts_image_size(image_size):
         raise ValueError(
-            f"model {name!r} cannot take image_size={image_size}; "
-            f"it supports image sizes: {spec.image_size_text()}"
+            f"model {name!r} cannot take image_size={image_size}; it supports image sizes: {spec.image_size_text()}"
         )
     model = spec.builder(num_classes=num_classes, in_channels=in_channels, image_size=image_size, norm=norm)
     if not isinstance(getattr(model, CLASSIFIER_NAME, None), nn.Linear):

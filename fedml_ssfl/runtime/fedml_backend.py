@@ -84,10 +84,10 @@ from tqdm.auto import tqdm
 
 from .. import seeding
 from ..algorithms.base import ClientContext, Message, message_nbytes
-from ..checkpoint import load_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import ConfigError, ExperimentConfig
 from ..data import ImageDataset
-from ..experiment import Experiment, build_experiment
+from ..experiment import Experiment, build_experiment, deployed
 from ..sampling import sample_clients
 from . import offline
 from .common import (
@@ -581,16 +581,25 @@ class ServerRuntime:
                 self.drop[old].add(k)
             self.holder[k], self.tags[k] = w, r
             self.stale.add(k)
-        replies: dict[int, Message] = {}
-        up_bytes = state_up = refused = 0
-        for k in start.chosen:  # sorted, as in the local runtime: aggregation order matters
+        state_up = 0
+        for k in start.chosen:
             up = by_silo[k]
-            w = up["rank"]
             for j, (tag, st) in up.get("states", {}).items():
-                if self.holder.get(j) == w and self.tags[j] == tag:
+                if self.holder.get(j) == up["rank"] and self.tags[j] == tag:
                     self.client_states[j] = st
                     self.stale.discard(j)
                     state_up += state_nbytes(st)
+        if is_checkpoint_round(self.cfg, r, self.end) and self.stale:
+            raise RuntimeError(f"round {r}: client states of silos {sorted(self.stale)} were not uploaded")
+        return self._close_round(by_silo, state_bytes_up=state_up, state_bytes_down=self.state_down, **extra)
+
+    def _close_round(self, by_silo: dict[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """Check the chosen silos' replies, aggregate, record the round and advance (both modes)."""
+        start, r = self.current, self.round
+        replies: dict[int, Message] = {}
+        up_bytes = refused = 0
+        for k in start.chosen:  # sorted, as in the local runtime: aggregation order matters
+            up = by_silo[k]
             msg = up.get("msg")
             if isinstance(msg, Message):
                 up_bytes += message_nbytes(msg)
@@ -598,19 +607,16 @@ class ServerRuntime:
             if problem is None:
                 replies[k] = msg
                 continue
-            text = f"round {r}: refused the reply of rank {w} (silo {k}): {problem}"
+            text = f"round {r}: refused the reply of rank {up['rank']} (silo {k}): {problem}"
             if self.requires_all:
                 raise RunFailed(f"{text}; algorithm '{self.cfg.algorithm}' needs every reply")
             log.warning("%s; the round goes on without it", text)
             self.refused.append(text)
             refused += 1
             replies[k] = Message()
-        if is_checkpoint_round(self.cfg, r, self.end) and self.stale:
-            raise RuntimeError(f"round {r}: client states of silos {sorted(self.stale)} were not uploaded")
-        row_extra = {"state_bytes_up": state_up, "state_bytes_down": self.state_down, **extra}
         if refused:
-            row_extra["refused_replies"] = refused
-        row = finish_round(self.exp, start, replies, up_bytes, **row_extra)
+            extra["refused_replies"] = refused
+        row = finish_round(self.exp, start, replies, up_bytes, **extra)
         acc = self.rec.record(r, row, self.end, self.client_states)
         self.last_row = row
         self.round += 1
@@ -656,12 +662,176 @@ class ServerRuntime:
 
 
 # ---------------------------------------------------------------------------------------------
+# deployment mode: silo k's data only on rank k + 1, its client state stays there (no FedML in here)
+
+SILO_STATE_NAME = "silo_state.pt"
+
+
+def silo_dir(cfg: ExperimentConfig, run_name: str, silo: int) -> Path:
+    """Where silo ``silo`` keeps its client state: ``output_dir/<the server's run folder name>/silo_<k>``."""
+    return Path(cfg.common_args.output_dir).expanduser() / run_name / f"silo_{silo}"
+
+
+class SiloWorker:
+    """A deployed silo (rank k + 1): trains its own data, keeps its own client state, saves it itself.
+
+    The first payload carries the server's metadata (:class:`~fedml_ssfl.data.silos.SiloMeta`),
+    the run folder's name and the last round the run had completed; only then does the silo read
+    its file (``data_args.local_data``), check it against the metadata and build its algorithm.
+    Its client state never leaves the process: at checkpoint rounds (every payload says whether
+    the round is one) it is written atomically to ``silo_dir(...)/checkpoints/silo_state.pt`` with
+    the round, and a resumed run reloads it, refusing a file from another round or config.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, rank: int):
+        self.cfg, self.rank, self.silo = cfg, rank, rank - 1
+        self.exp: Any = None
+        self.state: dict[str, Any] = {}
+        self.state_path: Path | None = None
+
+    def _start(self, payload: dict[str, Any]) -> None:
+        from ..data.silos import SiloMeta
+        from ..experiment import build_silo_experiment
+
+        meta = payload.get("meta")
+        if meta is None:
+            raise RuntimeError("the server's first message carries no metadata; restart the job")
+        self.exp = build_silo_experiment(self.cfg, SiloMeta(**meta), self.rank)
+        self.state_path = silo_dir(self.cfg, payload["run_name"], self.silo) / "checkpoints" / SILO_STATE_NAME
+        after = int(payload.get("resumed_after", -1))
+        if after >= 0:
+            saved = load_checkpoint(self.state_path, self.cfg.fingerprint())
+            if saved.get("round") != after or saved.get("silo") != self.silo:
+                raise RuntimeError(
+                    f"{self.state_path} holds silo {saved.get('silo')}'s state after round {saved.get('round')}, but "
+                    f"the server resumes after round {after}: restore this silo's checkpoint folder from that round"
+                )
+            self.state = saved["state"]
+
+    def handle(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """One round (train, or stay idle when not sampled); never raises (errors go to the server)."""
+        r = payload.get("round", -1)
+        try:
+            if self.exp is None:
+                self._start(payload)
+            if payload.get("silo") != self.silo:
+                raise RuntimeError(f"rank {self.rank} serves silo {self.silo}, but was sent silo {payload.get('silo')}")
+            up: dict[str, Any] = {"kind": "idle", "round": r, "silo": self.silo, "rank": self.rank}
+            if payload["kind"] == "round":
+                seed = self.cfg.common_args.random_seed
+                ctx = ClientContext(round_idx=r, device=self.exp.device, seed=seed)
+                t0 = time.perf_counter()
+                with seeding.global_stream(seed, "client", r, self.silo, device=self.exp.device):
+                    reply = self.exp.algorithm.client_update(
+                        payload["msg"], self.exp.client_data(self.silo, r), self.state, ctx
+                    )
+                up.update(kind="reply", msg=reply, seconds=time.perf_counter() - t0)
+            if payload.get("checkpoint"):
+                save_checkpoint(
+                    self.state_path,
+                    {"round": r, "silo": self.silo, "fingerprint": self.cfg.fingerprint(), "state": self.state},
+                )
+            return up
+        except Exception as exc:  # reported to the server, which stops the run naming this silo
+            return {
+                "kind": "error",
+                "round": r,
+                "silo": self.silo,
+                "rank": self.rank,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+
+
+class DeployedServerRuntime(ServerRuntime):
+    """The server of a deployment: rank k + 1 always serves silo k, whose data and state stay there.
+
+    Every round every silo gets a payload: the sampled ones the algorithm's message, the others an
+    ``idle`` note (so that all of them keep step, answer liveness, and save their state at checkpoint
+    rounds). The first payload to each rank also carries the metadata the silo checks its data
+    against and builds its model from. The server's checkpoint holds no client state: each silo
+    saves its own (:class:`SiloWorker`).
+    """
+
+    def __init__(self, cfg, exp, run_dir, resume_state, workers, stop_after=None, backend="MPI") -> None:
+        from ..data.silos import SiloMeta
+
+        super().__init__(cfg, exp, run_dir, resume_state, workers, stop_after, backend)
+        self.client_states = {}
+        self.meta = dataclasses.asdict(SiloMeta.of(exp.dataset))
+        self.resumed_after = self.round - 1 if resume_state is not None else -1
+        self.introduced: set[int] = set()
+
+    def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
+        return list(range(self.workers))
+
+    def begin_round(self) -> dict[int, dict[str, Any]]:
+        r = self.round
+        if self.payloads is not None and self.current is not None and self.current.round_idx == r:
+            return self.payloads
+        start = start_round(self.exp, r)
+        checkpoint = is_checkpoint_round(self.cfg, r, self.end)
+        payloads = {}
+        for k in range(self.workers):
+            p: dict[str, Any] = {"kind": "idle", "round": r, "silo": k, "rank": k + 1, "checkpoint": checkpoint}
+            if k in start.messages:
+                p.update(kind="round", msg=start.messages[k])
+            if k + 1 not in self.introduced:
+                p.update(meta=self.meta, run_name=self.run_dir.name, resumed_after=self.resumed_after)
+                self.introduced.add(k + 1)
+            payloads[k] = p
+        self.current, self.payloads = start, payloads
+        self.awaiting = {k + 1: k for k in range(self.workers)}
+        self.round_started = time.monotonic()
+        return payloads
+
+    def finish_round(self, uploads: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        start, r = self.current, self.round
+        if start is None:
+            raise RuntimeError("finish_round before begin_round")
+        by_silo: dict[int, dict[str, Any]] = {}
+        for up in uploads:
+            if up.get("kind") == "error":
+                raise self.client_error(up)
+            k = up.get("silo")
+            if up.get("round") != r or up.get("rank") != (k + 1 if isinstance(k, int) else None):
+                raise RuntimeError(
+                    f"rank {up.get('rank')} sent a reply for round {up.get('round')} silo {k} in round {r} "
+                    "(rank k + 1 serves silo k)"
+                )
+            if (up.get("kind") == "reply") != (k in start.chosen):
+                raise RuntimeError(f"round {r}: silo {k} answered '{up.get('kind')}' to a '{self.payloads[k]['kind']}'")
+            if up["kind"] == "reply":
+                by_silo[k] = up
+        if sorted(by_silo) != start.chosen:
+            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+        return self._close_round(by_silo, **extra)
+
+
+# ---------------------------------------------------------------------------------------------
 # checks before anything starts
 
 
+def worker_count(cfg: ExperimentConfig) -> int:
+    """FedML worker processes: C_k in simulation (silos are routed to them), K in deployment (one per silo)."""
+    t = cfg.train_args
+    return t.client_num_in_total if deployed(cfg) else t.client_num_per_round
+
+
 def world_size(cfg: ExperimentConfig) -> int:
-    """Processes a FedML job needs: one server plus C_k workers."""
-    return cfg.train_args.client_num_per_round + 1
+    """Processes a FedML job needs: one server plus :func:`worker_count` workers."""
+    return worker_count(cfg) + 1
+
+
+def world_reason(cfg: ExperimentConfig) -> str:
+    """Why the job needs :func:`world_size` processes, for error messages."""
+    t = cfg.train_args
+    if deployed(cfg):
+        return (
+            f"comm_args.mode deployment runs one process per silo: K = train_args.client_num_in_total = "
+            f"{t.client_num_in_total}, plus the server: {world_size(cfg)}"
+        )
+    return f"train_args.client_num_per_round C_k = {t.client_num_per_round} needs C_k + 1 = {world_size(cfg)}"
 
 
 def np_hint(cfg: ExperimentConfig) -> str:
@@ -687,9 +857,8 @@ def mpi_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tuple
     if size != world:
         if me == 0:
             raise ConfigError(
-                f"this MPI job has {size} process{'es' if size != 1 else ''}, but train_args.client_num_per_round "
-                f"C_k = {cfg.train_args.client_num_per_round} needs C_k + 1 = {world} (rank 0 is the server): run "
-                f"{np_hint(cfg)}"
+                f"this MPI job has {size} process{'es' if size != 1 else ''}, but {world_reason(cfg)} (rank 0 is the "
+                f"server): run {np_hint(cfg)}"
             )
         raise SystemExit(2)  # rank 0 reports; the others leave quietly
     if rank is not None and rank != me:
@@ -714,12 +883,11 @@ def grpc_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tupl
     table = read_ipconfig(cfg.comm_args.grpc_ipconfig_path)
     if sorted(table) != list(range(world)):
         raise ConfigError(
-            f"{cfg.comm_args.grpc_ipconfig_path} lists ranks {sorted(table)}, but C_k = "
-            f"{cfg.train_args.client_num_per_round} needs ranks 0..{world - 1} (one server + C_k clients, "
-            f"{world} processes)"
+            f"{cfg.comm_args.grpc_ipconfig_path} lists ranks {sorted(table)}, but {world_reason(cfg)}: ranks "
+            f"0..{world - 1}"
         )
     if not 0 <= rank < world:
-        raise ConfigError(f"--rank {rank} is outside 0..{world - 1} (C_k + 1 = {world} processes)")
+        raise ConfigError(f"--rank {rank} is outside 0..{world - 1} ({world_reason(cfg)})")
     return rank, table
 
 
@@ -1264,8 +1432,13 @@ def _fedml_classes() -> SimpleNamespace:
 
 
 def fedml_args(cfg: ExperimentConfig, rank: int) -> SimpleNamespace:
-    """The flat ``args`` FedML expects, from the validated sections (offline settings forced)."""
+    """The flat ``args`` FedML expects, from the validated sections (offline settings forced).
+
+    FedML's own client counts are the worker processes: every worker hears from the server every
+    round (in deployment mode the algorithm's C_k of the K silos train, the rest are told to idle).
+    """
     t, d = cfg.train_args, cfg.device_args
+    workers = worker_count(cfg)
     return SimpleNamespace(
         training_type="cross_silo",
         backend=cfg.comm_args.backend,
@@ -1276,12 +1449,12 @@ def fedml_args(cfg: ExperimentConfig, rank: int) -> SimpleNamespace:
         using_mlops=False,
         enable_wandb=False,
         sys_perf_profiling=False,
-        run_id="0",
+        run_id=cfg.common_args.run_id or "0",
         dataset=cfg.data_args.dataset,
         data_cache_dir=cfg.data_args.data_cache_dir,
         model=cfg.model_args.model,
-        client_num_in_total=t.client_num_in_total,
-        client_num_per_round=t.client_num_per_round,
+        client_num_in_total=t.client_num_in_total if not deployed(cfg) else workers,
+        client_num_per_round=workers,
         comm_round=t.comm_round,
         epochs=1,
         batch_size=t.batch_size,
@@ -1289,7 +1462,7 @@ def fedml_args(cfg: ExperimentConfig, rank: int) -> SimpleNamespace:
         client_optimizer=t.client_optimizer,
         frequency_of_the_test=cfg.validation_args.frequency_of_the_test,
         test_on_clients="no",
-        worker_num=t.client_num_per_round,
+        worker_num=workers,
         rank=rank,
         role="server" if rank == 0 else "client",
         grpc_ipconfig_path=str(Path(cfg.comm_args.grpc_ipconfig_path).expanduser())
@@ -1402,15 +1575,23 @@ def run_fedml(
 
             mpi_pickle = MPI.pickle
             MPI.pickle.__init__(meter.dumps, meter.loads)
-        exp = build_experiment(dev_cfg, dataset)
         classes = _fedml_classes()
-        workers = cfg.train_args.client_num_per_round
+        workers = worker_count(cfg)
         try:
             if not is_server:
-                _run_worker(classes, exp, args, rank, meter, limits, comm, workers, backend)
+                worker = (
+                    SiloWorker(dev_cfg, rank)
+                    if deployed(cfg)
+                    else ClientWorker(build_experiment(dev_cfg, dataset), rank)
+                )
+                _run_worker(classes, worker, args, rank, meter, limits, comm, workers, backend)
                 return None
+            exp = build_experiment(dev_cfg, dataset)
+            if deployed(cfg):
+                check_server_counts(cfg, exp)
             exp.algorithm.setup()
-            runtime = ServerRuntime(cfg, exp, Path(run_dir), state, workers, stop_after, backend)
+            runtime_class = DeployedServerRuntime if deployed(cfg) else ServerRuntime
+            runtime = runtime_class(cfg, exp, Path(run_dir), state, workers, stop_after, backend)
             server_agg = classes.ServerAggregator(exp.algorithm.global_model(), args, runtime, meter)
             silo_agg = classes.SiloAggregator(server_agg, args, workers, exp.device)
             manager = classes.ServerManager(args, silo_agg, runtime, meter, limits, comm, workers, backend)
@@ -1434,17 +1615,44 @@ def run_fedml(
                 offline.uninstall()
 
 
-def _run_worker(classes, exp: Experiment, args, rank: int, meter, limits, comm, workers: int, backend: str) -> None:
+def _run_worker(classes, worker, args, rank: int, meter, limits, comm, workers: int, backend: str) -> None:
+    """A worker process: FedML's client manager around ``worker`` (a :class:`ClientWorker` or :class:`SiloWorker`).
+
+    FedML wants a data dict entry for every silo index the server may name; the trainer ignores them
+    (the payload names the silo). A deployed silo's model is built when the server's metadata arrives.
+    """
     from fedml.cross_silo.client.fedml_trainer_dist_adapter import TrainerDistAdapter
 
-    K = exp.config.train_args.client_num_in_total
-    silos = {k: k for k in range(K)}
-    counts = {k: int(exp.split.client_unlabeled[k].numel()) for k in range(K)}
-    model = exp.algorithm.model_fn()
-    trainer = classes.ClientTrainer(model, args, ClientWorker(exp, rank))
-    adapter = TrainerDistAdapter(args, exp.device, rank, model, sum(counts.values()), counts, silos, silos, trainer)
+    if isinstance(worker, SiloWorker):
+        silos, counts, model, device = {worker.silo: worker.silo}, {worker.silo: 0}, torch.nn.Identity(), "cpu"
+    else:
+        exp = worker.exp
+        K = exp.config.train_args.client_num_in_total
+        silos = {k: k for k in range(K)}
+        counts = {k: int(exp.split.client_unlabeled[k].numel()) for k in range(K)}
+        model, device = exp.algorithm.model_fn(), exp.device
+    trainer = classes.ClientTrainer(model, args, worker)
+    adapter = TrainerDistAdapter(args, device, rank, model, sum(counts.values()), counts, silos, silos, trainer)
     manager = classes.ClientManager(args, adapter, meter, limits, comm, rank, workers, backend)
     manager.run()
+
+
+def check_server_counts(cfg: ExperimentConfig, exp: Experiment) -> None:
+    """Deployment mode: ``num_server_labels`` / ``num_server_val`` must describe the server's files.
+
+    Algorithms check these keys (e.g. FedSEAL needs a validation set), so they must agree with what
+    the server actually holds.
+    """
+    d, split = cfg.data_args, exp.split
+    for key, have in (
+        ("num_server_labels", split.server_labeled.numel()),
+        ("num_server_val", split.server_val.numel()),
+    ):
+        if getattr(d, key) != have:
+            raise ConfigError(
+                f"data_args.{key} is {getattr(d, key)}, but the server's files hold {have} such samples "
+                f"(data_args.server_data / server_val_data): set data_args.{key}: {have}"
+            )
 
 
 def _install_terminate_handler(handler):
@@ -1462,7 +1670,9 @@ def _restore_terminate_handler(previous) -> None:
 
 __all__ = [
     "ClientWorker",
+    "DeployedServerRuntime",
     "ServerRuntime",
+    "SiloWorker",
     "WireArray",
     "assign_silos",
     "check_reply",

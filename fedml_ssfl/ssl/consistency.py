@@ -25,9 +25,7 @@ def _check(logits: torch.Tensor, target_probs: torch.Tensor, name: str) -> None:
         )
 
 
-def kl_consistency(
-    logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
+def kl_consistency(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``1/N sum_i m_i KL(p_i || softmax(z_i))`` with ``p`` = ``target_probs`` (no gradient).
 
     Parameters

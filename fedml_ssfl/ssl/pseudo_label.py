@@ -20,10 +20,20 @@ class PseudoLabels:
         return float(self.mask.float().mean()) if self.mask.numel() else 0.0
 
     def accuracy(self, truth: torch.Tensor) -> float:
-        """Accuracy of the kept pseudo-labels against ``truth`` (diagnostics only); nan if none kept."""
-        if not bool(self.mask.any()):
-            return float("nan")
-        return float((self.labels[self.mask] == truth[self.mask].to(self.labels.device)).float().mean())
+        """Accuracy of the kept pseudo-labels against ``truth`` (diagnostics only); nan if none counted."""
+        correct, counted = label_hits(self.labels, truth, self.mask)
+        return correct / counted if counted else float("nan")
+
+
+def label_hits(pred: torch.Tensor, truth: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[int, int]:
+    """``(correct, counted)`` of ``pred`` against ``truth`` where ``mask`` holds and the truth is known.
+
+    Diagnostics only. A deployed silo's unlabeled samples carry the label -1 (nobody knows their
+    class), so they are not counted: a pseudo-label accuracy exists only in simulation.
+    """
+    truth = truth.to(pred.device)
+    keep = truth >= 0 if mask is None else mask & (truth >= 0)
+    return int((pred[keep] == truth[keep]).sum()), int(keep.sum())
 
 
 def pseudo_labels(probs: torch.Tensor, threshold: float | torch.Tensor) -> PseudoLabels:

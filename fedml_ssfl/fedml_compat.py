@@ -1,0 +1,390 @@
+"""Read a config written in FedML's own ``fedml_config.yaml`` conventions.
+
+A FedML user's cross-silo ``fedml_config.yaml`` has keys that mean something here under another
+name or value, keys that only matter to FedML's cloud platform, and backends that need it. Before
+validation (:func:`fedml_ssfl.config.validate`) the raw YAML mapping is translated:
+
+* **aliases** become this package's keys (:data:`ALIASES`, and the rules in :func:`translate`):
+  ``train_args.client_id_list`` (FedML's edge ids of the silos) gives K, ``device_args.worker_num``
+  is C_k, ``train_args.run_id`` is ``common_args.run_id``, ``partition_method: hetero`` /
+  ``homo`` are ``dirichlet`` / ``iid``, ``comm_args.backend: sp`` is ``local``, a ``cross_silo``
+  run with no backend runs on MPI, and ``device_args.using_gpu: true`` with no ``device`` is
+  ``device: cuda``; an alias that disagrees with the key it stands for is an error naming both;
+* **FedML's keys with no meaning here** (:data:`IGNORED_KEYS`, :data:`IGNORED_SECTIONS`) are
+  dropped, with one warning each naming the key and what this package uses instead;
+  ``tracking_args.using_mlops`` / ``enable_wandb: true`` are kept false with a warning;
+* **backends that need FedML's cloud** (MQTT, S3, ...: :data:`ONLINE_BACKENDS`) are refused;
+* ``train_args.epochs`` (FedML's local epochs) is this package's key (``0`` = off): ``epochs > 0``
+  sets T, the local steps per round, to ``epochs x ceil(mean client samples / batch_size)``, resolved
+  where the split is known (:func:`fedml_ssfl.experiment.resolve_local_steps`); it is refused with
+  ``comm_args.mode: deployment``, where no process knows every silo's data size.
+
+Every other key is left alone, so a key that is neither this package's nor FedML's is still
+refused by validation with the closest valid name.
+
+Where the list of FedML's keys comes from (FedML 0.9.6, the installed ``fedml`` package):
+
+* the cross-silo template ``computing/scheduler/build-package/mlops-core/fedml-client/client-package/
+  fedml/config/fedml_config.yaml`` (the server package's copy is identical), and the simulation
+  templates ``config/simulation_sp/fedml_config.yaml`` and ``config/simulaton_mpi/fedml_config.yaml``;
+* the keys FedML's platform writes into that file before a run:
+  ``computing/scheduler/scheduler_core/scheduler_base_job_runner.py`` (``build_dynamic_args``: the
+  ``train_args.run_id`` / ``client_id`` / ``server_id``, ``tracking_args.log_server_url``, the
+  ``dynamic_args`` section) with the package's ``conf/fedml.yaml``, and the ``common_args`` the
+  scheduler reads (``master/base_master_job_runner.py``, ``scheduler_core/ota_upgrade.py``,
+  ``scheduler_core/status_manager_protocols.py``);
+* ``arguments.py``: the command-line flags (taken by ``fedml-ssfl run``, see :mod:`fedml_ssfl.cli`)
+  and the keys it reads off the flattened sections (``worker_num``, ``data_file_path``,
+  ``partition_file_path``, ``part_file``, ``server_config_path``, ``client_silo_config_paths``);
+* the backend names: ``core/distributed/fedml_comm_manager.py`` and ``constants.py``.
+
+This module does not import FedML.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .config import ConfigError
+
+log = logging.getLogger(__name__)
+
+OFFLINE = "fedml_ssfl runs offline; it logs to TensorBoard and metrics.jsonl"
+_PLATFORM = "FedML's platform (MLOps) setting; fedml_ssfl does not talk to the platform"
+_RUN_NAME = "FedML's experiment-tracking run name; the run's name here is common_args.run_name"
+_DATA = "FedML's platform data setting; the data is data_args.dataset / data_cache_dir (local_data in deployment mode)"
+_HIERARCHICAL = "FedML's hierarchical scenario; only common_args.scenario: horizontal is supported"
+_MODEL_FILES = "the server keeps its model in memory and checkpoints under <run dir>/checkpoints"
+_COMM_FILES = "MPI needs no such file; GRPC reads its peers from comm_args.grpc_ipconfig_path"
+_MOBILE = "FedML's mobile clients are not supported; for edge devices see `fedml-ssfl export` (docs/edge.md)"
+_IDENTITY = "a process's identity here is `fedml-ssfl run --rank N` (0 = the server)"
+
+IGNORED_SECTIONS: dict[str, str] = {
+    "environment_args": "FedML's platform bootstrap; install fedml_ssfl on each machine yourself (docs/deploy.md)",
+    "dynamic_args": "written by FedML's platform for its own launcher; the values that matter here are flags",
+}
+"""Whole sections of FedML's that are dropped with one warning each."""
+
+IGNORED_KEYS: dict[str, dict[str, str]] = {
+    "common_args": {
+        "using_mlops": OFFLINE,
+        "mlops_api_key": _PLATFORM,
+        "mlops_project_name": _PLATFORM,
+        "mlops_run_name": _RUN_NAME,
+        "enable_async_cluster": _PLATFORM,
+        "async_check_timeout": _PLATFORM,
+        "enable_fault_tolerance": _PLATFORM,
+        "fault_tolerance_rate": _PLATFORM,
+        "force_ota": _PLATFORM,
+        "ota_version": _PLATFORM,
+        "server_config_path": _HIERARCHICAL,
+        "client_silo_config_paths": _HIERARCHICAL,
+    },
+    "data_args": {
+        "is_using_local_data": _DATA,
+        "synthetic_data_url": _DATA,
+        "client_objects": _DATA,
+        "data_file_path": _DATA,
+        "partition_file_path": "FedML's fixed partition file; the split is data_args.partition_method (seeded)",
+        "part_file": "FedML's fixed partition file; the split is data_args.partition_method (seeded)",
+    },
+    "model_args": {
+        "model_file_cache_folder": _MODEL_FILES,
+        "global_model_file_path": _MODEL_FILES,
+    },
+    "train_args": {
+        "client_id": _IDENTITY,
+        "server_id": _IDENTITY,
+    },
+    "device_args": {
+        "is_mobile": _MOBILE,
+    },
+    "comm_args": {
+        "mqtt_config_path": _COMM_FILES,
+        "s3_config_path": _COMM_FILES,
+        "is_mobile": _MOBILE,
+    },
+    "tracking_args": {
+        "enable_tracking": OFFLINE,
+        "wandb_key": OFFLINE,
+        "wandb_entity": OFFLINE,
+        "wandb_project": OFFLINE,
+        "wandb_name": _RUN_NAME,
+        "run_name": _RUN_NAME,
+        "log_server_url": OFFLINE,
+    },
+}
+"""FedML's keys with no meaning here, per section, with what this package uses instead."""
+
+ALIASES: dict[str, str] = {
+    "train_args.client_id_list": "train_args.client_num_in_total (K = the number of edge ids, when > 1)",
+    "device_args.worker_num": "train_args.client_num_per_round",
+    "train_args.run_id": "common_args.run_id",
+    "data_args.partition_method: hetero": "dirichlet (partition_alpha)",
+    "data_args.partition_method: homo": "iid",
+    "comm_args.backend: sp": "local",
+    "device_args.using_gpu: true (no device)": "device_args.device: cuda",
+    "common_args.training_type: cross_silo (no backend)": "comm_args.backend: MPI",
+}
+"""FedML's keys and values that mean something here, and what they become."""
+
+PARTITION_METHODS: dict[str, str] = {"hetero": "dirichlet", "homo": "iid"}
+"""FedML's ``data_args.partition_method`` values and this package's names for them."""
+
+ONLINE_BACKENDS: dict[str, str] = {
+    "MQTT": "FedML's MQTT broker",
+    "MQTT_S3": "FedML's MQTT broker and S3 storage",
+    "MQTT_S3_MNN": "FedML's MQTT broker and S3 storage (MNN mobile clients)",
+    "MQTT_WEB3": "FedML's MQTT broker and Web3 storage",
+    "MQTT_THETASTORE": "FedML's MQTT broker and Theta storage",
+    "TRPC": "torch RPC",
+    "NCCL": "FedML's NCCL simulation",
+}
+"""FedML's ``comm_args.backend`` values that are refused, and what they need."""
+
+OFF_SWITCHES = ("using_mlops", "enable_wandb")
+"""``tracking_args`` keys this package has but keeps false."""
+
+
+@dataclass
+class Translation:
+    """What :func:`translate` made of a raw config.
+
+    Attributes
+    ----------
+    raw : dict
+        The mapping in this package's keys, ready for validation.
+    warnings : list of str
+        One message per FedML key that was ignored (or switched off).
+    notes : list of str
+        One message per alias that was resolved (logged at INFO).
+    edge_ids : list
+        ``train_args.client_id_list`` as given (FedML's edge ids), possibly empty.
+    """
+
+    raw: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    edge_ids: list[Any] = field(default_factory=list)
+
+
+def _ignored(key: str, reason: str) -> str:
+    return f"{key} is FedML's and is ignored: {reason}"
+
+
+def parse_id_list(value: Any) -> list[Any]:
+    """FedML's ``client_id_list``: a list, its string form (``"[1, 2]"``, ``"[]"``) or empty.
+
+    Parameters
+    ----------
+    value : list, str, int or None
+        The raw value.
+
+    Returns
+    -------
+    list
+        The edge ids, possibly empty.
+
+    Raises
+    ------
+    ConfigError
+        When the value is not a list of ids.
+    """
+    if value is None:
+        return []
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"train_args.client_id_list: cannot read {text!r}; expected a list like [1, 2]") from exc
+        if value is None:
+            return []
+        if isinstance(value, str) and "," in value:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value):
+        return list(value)
+    raise ConfigError(f"train_args.client_id_list: expected a list of edge ids like [1, 2], got {value!r}")
+
+
+def _positive_int(where: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def translate(raw: Mapping[str, Any]) -> Translation:
+    """Translate a raw config in FedML's conventions into this package's raw config.
+
+    A pure function: ``raw`` is not changed, and nothing is logged (:func:`apply` logs).
+    A mapping already in this package's keys comes back equal.
+
+    Parameters
+    ----------
+    raw : Mapping
+        The YAML-loaded mapping of sections (after ``--set`` overrides).
+
+    Returns
+    -------
+    Translation
+        The translated mapping, the warnings (one per ignored FedML key) and the notes.
+
+    Raises
+    ------
+    ConfigError
+        An alias that disagrees with the key it stands for (naming both), a backend that needs
+        FedML's cloud, ``train_args.epochs`` in deployment mode, or a malformed alias value.
+    """
+    out: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    result = Translation(raw=out)
+
+    for section, reason in IGNORED_SECTIONS.items():
+        if section in out:
+            del out[section]
+            result.warnings.append(f"section {section} is FedML's and is ignored: {reason}")
+    for section, keys in IGNORED_KEYS.items():
+        body = out.get(section)
+        if not isinstance(body, dict):
+            continue
+        for key, reason in keys.items():
+            if key in body:
+                del body[key]
+                result.warnings.append(_ignored(f"{section}.{key}", reason))
+
+    def body(section: str) -> dict[str, Any]:
+        value = out.setdefault(section, {})
+        if value is None:
+            value = out[section] = {}
+        return value if isinstance(value, dict) else {}  # a non-mapping is refused by validation
+
+    common, data, train, device, comm, tracking = (
+        body(s) for s in ("common_args", "data_args", "train_args", "device_args", "comm_args", "tracking_args")
+    )
+
+    for key in OFF_SWITCHES:
+        if tracking.get(key) is True:
+            tracking[key] = False
+            result.warnings.append(f"tracking_args.{key}: true is ignored: {OFFLINE}")
+
+    # K from FedML's edge ids
+    if "client_id_list" in train:
+        ids = parse_id_list(train.pop("client_id_list"))
+        result.edge_ids = ids
+        if len(ids) > 1:
+            k = train.get("client_num_in_total")
+            if k is None:
+                train["client_num_in_total"] = len(ids)
+                result.notes.append(
+                    f"train_args.client_id_list: {len(ids)} edge ids -> client_num_in_total K = {len(ids)}"
+                )
+            elif k != len(ids):
+                raise ConfigError(
+                    f"train_args.client_id_list has {len(ids)} edge ids {ids} but train_args.client_num_in_total "
+                    f"is {k!r}: K is the number of silos, so they must agree; fix one of them or drop client_id_list"
+                )
+        elif len(ids) == 1:
+            result.notes.append(
+                f"train_args.client_id_list: one edge id {ids[0]!r} (FedML's platform gives each client its own); "
+                "recorded, K stays train_args.client_num_in_total"
+            )
+
+    # C_k from FedML's worker count
+    if "worker_num" in device:
+        workers = _positive_int("device_args.worker_num", device.pop("worker_num"))
+        per_round = train.get("client_num_per_round")
+        if per_round is None:
+            train["client_num_per_round"] = workers
+            result.notes.append(f"device_args.worker_num: {workers} -> train_args.client_num_per_round C_k = {workers}")
+        elif per_round != workers:
+            raise ConfigError(
+                f"device_args.worker_num ({workers}) and train_args.client_num_per_round ({per_round!r}) disagree: "
+                "FedML's worker_num is C_k, the silos trained per round; drop worker_num or make them equal"
+            )
+
+    # FedML's run id
+    if "run_id" in train:
+        run_id = train.pop("run_id")
+        run_id = "" if run_id is None else str(run_id)
+        if "run_id" not in common:
+            common["run_id"] = run_id
+            result.notes.append(f"train_args.run_id -> common_args.run_id = {run_id!r}")
+        elif str(common["run_id"]) != run_id:
+            raise ConfigError(
+                f"train_args.run_id ({run_id!r}) and common_args.run_id ({common['run_id']!r}) disagree; keep one"
+            )
+
+    # local epochs
+    epochs = train.get("epochs")
+    if isinstance(epochs, int) and not isinstance(epochs, bool):
+        if epochs < 0:
+            raise ConfigError(f"train_args.epochs: {epochs} is out of range; it must be >= 0 (0: use local_steps)")
+        if epochs > 0 and comm.get("mode") == "deployment":
+            raise ConfigError(
+                "train_args.epochs: in comm_args.mode deployment no process knows every silo's data size, so local "
+                "epochs cannot be turned into steps; set train_args.local_steps (T, the local steps per round) and "
+                "drop train_args.epochs"
+            )
+
+    # partition names
+    method = data.get("partition_method")
+    if isinstance(method, str) and method in PARTITION_METHODS:
+        data["partition_method"] = PARTITION_METHODS[method]
+        alpha = " (alpha = data_args.partition_alpha)" if method == "hetero" else ""
+        result.notes.append(f"data_args.partition_method: FedML's {method!r} is {PARTITION_METHODS[method]!r}{alpha}")
+
+    # backend
+    backend = comm.get("backend")
+    if isinstance(backend, str):
+        needs = ONLINE_BACKENDS.get(backend.upper())
+        if needs:
+            raise ConfigError(
+                f"comm_args.backend: FedML's {backend!r} is not supported: it needs {needs}, and fedml_ssfl runs "
+                "offline; use MPI (mpirun) or GRPC (one process per host) with "
+                "common_args.training_type: cross_silo, or local with simulation"
+            )
+        if backend == "sp":
+            comm["backend"] = "local"
+            result.notes.append("comm_args.backend: FedML's 'sp' (single-process simulation) is 'local'")
+    elif backend is None and common.get("training_type") == "cross_silo":
+        comm["backend"] = "MPI"
+        result.notes.append("comm_args.backend: not given for a cross_silo run -> MPI")
+
+    # FedML's GPU switch
+    if device.get("using_gpu") is True and "device" not in device:
+        device["device"] = "cuda"
+        result.notes.append("device_args.using_gpu: true with no device_args.device -> device: cuda")
+
+    for section in ("common_args", "data_args", "train_args", "device_args", "comm_args", "tracking_args"):
+        if section not in raw and out.get(section) == {}:
+            del out[section]
+    return result
+
+
+def apply(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`translate` ``raw`` and log what was done: a warning per ignored key, notes at INFO.
+
+    Parameters
+    ----------
+    raw : Mapping
+        The YAML-loaded mapping of sections.
+
+    Returns
+    -------
+    dict
+        The mapping in this package's keys.
+    """
+    result = translate(raw)
+    for message in result.warnings:
+        log.warning("%s", message)
+    for message in result.notes:
+        log.info("%s", message)
+    return result.raw

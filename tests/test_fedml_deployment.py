@@ -1,0 +1,188 @@
+"""FedML's deployment mode under ``mpirun``: each silo reads only its own file and keeps its own state.
+
+A simulation split is materialised as per-silo npz files (``fedml-ssfl partition --export``); the
+deployment run on them must end with the local simulator's model and test metrics for the same
+seed, while every process opens only its own data files (recorded at interpreter start by a
+``sitecustomize``), and a stopped deployment run resumes from the server's checkpoint and the
+silos' own state files to the same end.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedml_ssfl.checkpoint import load_checkpoint
+from fedml_ssfl.config import ConfigError, load_config
+from fedml_ssfl.experiment import export_deployment
+from fedml_ssfl.runtime.local import run_local
+from tests.conftest import SMALL
+from tests.test_fedml_mpi import CLI, metrics, mpi_env, mpirun
+
+pytest.importorskip("fedml")
+
+# Records, per MPI rank, every file a process opens under the exported data folder.
+OPEN_RECORDER = textwrap.dedent(
+    """
+    import builtins, io, os
+
+    _root = os.environ["SSFL_TEST_DATA_ROOT"]
+    _log = os.path.join(os.environ["SSFL_TEST_OPEN_LOG"], "rank%s.log" % os.environ.get("OMPI_COMM_WORLD_RANK", "x"))
+    _open = builtins.open
+
+    def _recording_open(file, *args, **kwargs):
+        try:
+            path = os.path.abspath(os.fspath(file))
+        except TypeError:
+            path = ""
+        if path.startswith(_root):
+            with _open(_log, "a") as fh:
+                fh.write(path + "\\n")
+        return _open(file, *args, **kwargs)
+
+    builtins.open = io.open = _recording_open
+    """
+)
+
+SETTINGS = [
+    *SMALL,
+    "train_args.client_num_in_total=3",
+    "train_args.client_num_per_round=2",  # one silo idles every round
+    "train_args.comm_round=3",
+    "ssfl_args.algorithm=fedavg_ssl",
+    "ssfl_args.threshold=0.5",
+    "ssfl_args.bootstrap_steps=30",  # pseudo-labels flow from round 0, so the clients' momentum state matters
+    "device_args.num_threads=1",
+]
+
+
+def simulation_config(tmp: Path):
+    return load_config(None, [*SETTINGS, f"common_args.output_dir={tmp / 'runs'}", "common_args.run_name=sim"])
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("deployment")
+    sim = simulation_config(tmp)
+    data = tmp / "data"
+    config = export_deployment(sim, data)
+    site, opened = tmp / "site", tmp / "opened"
+    site.mkdir()
+    opened.mkdir()
+    (site / "sitecustomize.py").write_text(OPEN_RECORDER)
+    env = mpi_env(SSFL_TEST_DATA_ROOT=str(data.resolve()), SSFL_TEST_OPEN_LOG=str(opened))
+    env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
+    full = mpirun(4, [str(CLI), "run", "--cf", str(config)], env=env)
+    local = run_local(sim, run_dir=tmp / "local")
+    return {"tmp": tmp, "sim": sim, "config": config, "data": data, "full": full, "local": local, "opened": opened}
+
+
+def _run_dir(deployment, name: str | None = None) -> Path:
+    cfg = load_config(deployment["config"])
+    return cfg.run_dir() if name is None else cfg.run_dir().parent / name
+
+
+def test_the_export_writes_one_file_per_silo_and_the_servers(deployment):
+    data = deployment["data"]
+    assert sorted(p.name for p in data.glob("*.npz")) == [
+        "server.npz",
+        "silo_0.npz",
+        "silo_1.npz",
+        "silo_2.npz",
+        "test.npz",
+    ]
+    cfg = load_config(deployment["config"])
+    assert cfg.comm_args.mode == "deployment" and cfg.data_args.local_data.endswith("silo_{silo}.npz")
+    with __import__("numpy").load(data / "silo_0.npz") as f:
+        assert (f["labels"] == -1).all()  # labels-at-server: the silo's labels are not in its file
+
+
+def test_deployment_ends_with_the_simulators_model_and_metrics(deployment):
+    proc = deployment["full"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir, local = _run_dir(deployment), deployment["local"]
+    a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")
+    b = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    for k, v in a["algorithm"]["global_state"].items():
+        assert float((v - b["algorithm"]["global_state"][k]).abs().max()) < 1e-5, k
+    sim_rows, dep_rows = metrics(local.run_dir), metrics(run_dir)
+    assert [r["test_acc"] for r in sim_rows] == [r["test_acc"] for r in dep_rows]
+    assert [(r["bytes_up"], r["bytes_down"]) for r in sim_rows] == [(r["bytes_up"], r["bytes_down"]) for r in dep_rows]
+    assert [r["client_mask_rate"] for r in sim_rows] == pytest.approx([r["client_mask_rate"] for r in dep_rows])
+    # the pseudo-label accuracy needs the silos' hidden labels: absent in deployment, present in simulation
+    assert any("client_pseudo_acc" in r for r in sim_rows)
+    assert not any("client_pseudo_acc" in r for r in dep_rows)
+    # each silo's client state stayed on the silo, equal to the simulator's
+    assert b["client_states"] == {}
+    for silo, state in a["client_states"].items():
+        saved = load_checkpoint(run_dir / f"silo_{silo}" / "checkpoints" / "silo_state.pt")
+        assert saved["round"] == 2 and saved["silo"] == silo
+        assert state.keys() == saved["state"].keys()
+        for name, t in state.get("momentum", {}).items():
+            assert torch.allclose(t, saved["state"]["momentum"][name], atol=1e-6), (silo, name)
+
+
+def test_no_process_opens_another_silos_file(deployment):
+    assert deployment["full"].returncode == 0
+    data, opened = deployment["data"].resolve(), deployment["opened"]
+    # every rank reads the shared deployment.yaml; the data files are what must stay apart
+    seen = {int(p.stem[4:]): {f for f in p.read_text().split() if f.endswith(".npz")} for p in opened.glob("rank*.log")}
+    assert seen[0] == {str(data / "server.npz"), str(data / "test.npz")}, seen[0]
+    for rank in (1, 2, 3):
+        assert seen[rank] == {str(data / f"silo_{rank - 1}.npz")}, (rank, seen[rank])
+
+
+def test_a_stopped_deployment_resumes_to_the_same_end(deployment):
+    config, env = deployment["config"], mpi_env()
+    name = ["--set", "common_args.run_name=resumed"]
+    first = mpirun(4, [str(CLI), "run", "--cf", str(config), *name, "--stop-after", "2"], env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = _run_dir(deployment, "resumed")
+    assert [r["round"] for r in metrics(run_dir)] == [0, 1]
+    second = mpirun(4, [str(CLI), "run", "--cf", str(config), *name, "--resume", str(run_dir)], env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a = load_checkpoint(_run_dir(deployment) / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    b = load_checkpoint(run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["test_acc"] for r in metrics(run_dir)] == [r["test_acc"] for r in metrics(_run_dir(deployment))]
+
+
+def test_a_silo_whose_data_disagrees_is_refused_by_name(deployment, tmp_path):
+    import numpy as np
+
+    from fedml_ssfl.data.local_files import read_npz, write_npz
+
+    good = read_npz(deployment["data"] / "silo_1.npz")
+    bad = tmp_path / "silo_1.npz"
+    write_npz(bad, torch.zeros((4, 3, 8, 8), dtype=torch.uint8), np.full(4, -1))  # RGB, the server's data is grey
+    for k in (0, 2):
+        (tmp_path / f"silo_{k}.npz").symlink_to(deployment["data"] / f"silo_{k}.npz")
+    assert good.images.shape[1] == 1
+    proc = mpirun(
+        4,
+        [
+            str(CLI),
+            "run",
+            "--cf",
+            str(deployment["config"]),
+            "--set",
+            f"data_args.local_data={tmp_path}/silo_{{silo}}.npz",
+            "--set",
+            "common_args.run_name=refused",
+        ],
+    )
+    assert proc.returncode != 0
+    summary = json.loads((_run_dir(deployment, "refused") / "summary.json").read_text())
+    assert summary["status"] == "failed" and "silo 1" in summary["error"] and "3x8x8" in summary["error"], summary
+
+
+def test_deployment_needs_its_files_named(tmp_path):
+    base = [*SETTINGS, "common_args.training_type=cross_silo", "comm_args.backend=MPI", "comm_args.mode=deployment"]
+    with pytest.raises(ConfigError, match="data_args.local_data"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match="backend MPI or GRPC"):
+        load_config(None, [*SETTINGS, "comm_args.mode=deployment"])
