@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"ssfl_results: no config {', '.join(missing)} under {CONFIGS}", file=sys.stderr)
         return 2
-    jobs = [(row, seed) for row in chosen for seed in args.seeds]
+    # seed-major: a sweep stopped early still has every row for its first seeds
+    jobs = [(row, seed) for seed in args.seeds for row in chosen]
     if args.missing_only:
         have = {(x["row"], x["seed"]) for x in runs}
         jobs = [(row, seed) for row, seed in jobs if (row.name, seed) not in have]

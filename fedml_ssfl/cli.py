@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -123,9 +124,15 @@ def _flag_bool(text: str) -> bool:
 
 
 def _fedml_launch_flags(args: argparse.Namespace, cfg: ExperimentConfig) -> None:
-    """Apply FedML's launch flags to ``cfg``: ``--run_id`` is kept, the others are warned about when they matter."""
-    if getattr(args, "run_id", None) is not None:
-        cfg.common_args.run_id = str(args.run_id)
+    """Apply FedML's launch flags to ``cfg``: ``--run_id`` is kept, the others are warned about when they matter.
+
+    Without ``--run_id`` the run id is what ``fedml launch`` exports (``FEDML_CURRENT_RUN_ID``), if set.
+    """
+    run_id = getattr(args, "run_id", None)
+    if run_id is None and os.environ.get("FEDML_CURRENT_RUN_ID", "").strip() and not cfg.common_args.run_id:
+        run_id = os.environ["FEDML_CURRENT_RUN_ID"].strip()
+    if run_id is not None:
+        cfg.common_args.run_id = str(run_id)
     if getattr(args, "using_mlops", False):
         log.warning("--using_mlops true is ignored: fedml_ssfl runs offline; it logs to TensorBoard and metrics.jsonl")
     for flag in ("local_rank", "node_rank"):

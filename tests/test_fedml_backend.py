@@ -199,6 +199,9 @@ def test_wire_encoding_is_exact_and_compact():
     assert torch.equal(x["m"].weights["a"], y["m"].weights["a"]) and y["m"].weights["i"].dtype == torch.int64
     assert torch.equal(x["m"].extras["t"][0], y["m"].extras["t"][0]) and y["m"].num_samples == 4
     assert torch.equal(x["s"].to_dense(), y["s"].to_dense()) and y["h"].dtype == torch.bfloat16
+    # BatchNorm's counter is a 0-d tensor: it keeps its shape (a reply with shape (1,) is refused)
+    counter = wire({"n": torch.tensor(7), "t": torch.randn(3, 4).t()})
+    assert counter["n"].shape == () and int(counter["n"]) == 7 and counter["t"].shape == (4, 3)
     big = {f"p{i}": torch.randn(256, 256) for i in range(8)}
     raw = sum(t.numel() * 4 for t in big.values())
     assert len(pickle.dumps(encode(big), protocol=5)) < raw * 1.001
@@ -230,8 +233,34 @@ def test_grpc_rank_role_and_ipconfig_errors(small_config, tmp_path):
         grpc_rank(cfg, None, None)
     with pytest.raises(ConfigError, match="rank 0 is the server"):
         grpc_rank(cfg, 1, "server")
-    with pytest.raises(ConfigError, match="needs ranks 0..2 .* 3 processes"):
+    with pytest.raises(ConfigError, match=r"lists ranks \[0, 1\].*C_k \+ 1 = 3: ranks 0..2"):
         grpc_rank(cfg, 0, "server")
+
+
+def test_grpc_rank_and_ports_from_the_launch_platform(small_config, tmp_path, monkeypatch):
+    from fedml_ssfl.runtime.fedml_backend import GRPC_BASE_PORT, run_port
+
+    ip = tmp_path / "ip.csv"
+    ip.write_text("eid,rank,grpc_server_ip\n0,0,10.0.0.1\n1,1,10.0.0.2\n2,2,10.0.0.3\n")
+    # no port column: every process derives the same table from the run id; another run id, other ports
+    a, b = read_ipconfig(ip, "run-a"), read_ipconfig(ip, "run-b")
+    assert [p for _, p in a.values()] == [run_port("run-a", r, 3) for r in range(3)]
+    assert len({p for _, p in a.values()}) == 3 and {p for _, p in a.values()}.isdisjoint(p for _, p in b.values())
+    assert read_ipconfig(ip)[2] == ("10.0.0.3", GRPC_BASE_PORT + 2)  # no run id: FedML's base + rank
+    cfg = small_config(
+        "common_args.training_type=cross_silo",
+        "comm_args.backend=GRPC",
+        f"comm_args.grpc_ipconfig_path={ip}",
+        "train_args.client_num_per_round=2",
+    )
+    monkeypatch.delenv("FEDML_CLIENT_RANK", raising=False)
+    assert grpc_rank(cfg, None, "server")[0] == 0
+    monkeypatch.setenv("FEDML_CLIENT_RANK", "2")
+    assert grpc_rank(cfg, None, None)[0] == 2
+    assert grpc_rank(cfg, 1, "client")[0] == 1  # an explicit --rank wins
+    monkeypatch.setenv("FEDML_CLIENT_RANK", "two")
+    with pytest.raises(ConfigError, match="FEDML_CLIENT_RANK='two' is not a rank"):
+        grpc_rank(cfg, None, None)
 
 
 def test_offline_guard_refuses_and_records_outside_connections(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ silos' own state files to the same end.
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -186,3 +187,37 @@ def test_deployment_needs_its_files_named(tmp_path):
         load_config(None, base)
     with pytest.raises(ConfigError, match="backend MPI or GRPC"):
         load_config(None, [*SETTINGS, "comm_args.mode=deployment"])
+
+
+def test_fedml_runner_script_with_fedmls_own_managers_ends_with_the_simulators_model(deployment, tmp_path):
+    """deploy/fedml_runner.py: FedML's FedMLRunner and stock managers around the public trainer and aggregator."""
+    import yaml
+
+    raw = yaml.safe_load(Path(deployment["config"]).read_text())
+    raw["common_args"]["run_name"] = "stock_runner"
+    config = tmp_path / "fedml_config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    runner = Path(__file__).resolve().parents[1] / "deploy" / "fedml_runner.py"
+    proc = mpirun(4, [sys.executable, str(runner), "--cf", str(config)], env=mpi_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = _run_dir(deployment, "stock_runner")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and not summary["refused_replies"], summary
+    a = load_checkpoint(deployment["local"].run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    b = load_checkpoint(run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert [r["test_acc"] for r in metrics(run_dir)] == [r["test_acc"] for r in metrics(deployment["local"].run_dir)]
+
+
+def test_fedml_runner_refuses_a_simulation_config(tmp_path):
+    from types import SimpleNamespace
+
+    pytest.importorskip("mpi4py")
+    from fedml_ssfl.runtime import fedml_hooks
+
+    config = tmp_path / "c.yaml"
+    config.write_text(simulation_config(tmp_path).to_yaml())
+    with pytest.raises(ConfigError, match="comm_args.mode: deployment"):
+        fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, run_id="0"))
+    with pytest.raises(ConfigError, match="fedml_hooks.init"):
+        fedml_hooks.load_data(SimpleNamespace())

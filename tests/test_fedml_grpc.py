@@ -172,3 +172,56 @@ def test_grpc_client_process_that_dies_is_detected(tmp_path):
     assert time.monotonic() - t0 < TIMEOUT
     state = load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["algorithm"]["global_state"]
     assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def _free_run_id(world: int) -> str:
+    """A run id whose derived port block is free on 127.0.0.1 right now."""
+    from fedml_ssfl.runtime.fedml_backend import run_port
+
+    for n in range(100):
+        run_id = f"launch-{os.getpid()}-{n}"
+        try:
+            socks = []
+            for rank in range(world):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", run_port(run_id, rank, world)))
+            return run_id
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+def test_ranks_and_ports_come_from_what_fedml_launch_provides(tmp_path):
+    """As under ``fedml launch``: no --rank on the clients (FEDML_CLIENT_RANK), no ports in the ipconfig
+    (derived from FEDML_CURRENT_RUN_ID), the server started with --role server only."""
+    world = 3
+    cfg = grpc_config(tmp_path, world, "train_args.comm_round=1", "common_args.run_name=launch")
+    (tmp_path / "ipconfig.csv").write_text(
+        "eid,rank,grpc_server_ip\n" + "".join(f"{r},{r},127.0.0.1\n" for r in range(world))
+    )
+    run_id = _free_run_id(world)
+    procs = []
+    for rank in range(world):
+        role = ["--role", "server"] if rank == 0 else []
+        extra = {"FEDML_CURRENT_RUN_ID": run_id} | ({"FEDML_CLIENT_RANK": str(rank)} if rank else {})
+        procs.append(
+            subprocess.Popen(
+                [str(CLI), "run", "--cf", str(tmp_path / "c.yaml"), *role],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env(**extra),
+            )
+        )
+    results = finish(procs, TIMEOUT)
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
+    summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["runtime"] == "fedml-GRPC"
+    import yaml
+
+    assert yaml.safe_load((cfg.run_dir() / "config.yaml").read_text())["common_args"]["run_id"] == run_id

@@ -72,6 +72,7 @@ import threading
 import time
 import traceback
 import warnings
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
@@ -198,7 +199,8 @@ def encode(obj: Any) -> Any:
 def decode(obj: Any) -> Any:
     """Inverse of :func:`encode` (arrays become tensors sharing the unpickled memory)."""
     if isinstance(obj, WireArray):
-        return torch.from_numpy(np.ascontiguousarray(obj.array))
+        array = obj.array  # np.ascontiguousarray would turn a 0-d array (BatchNorm's counter) into shape (1,)
+        return torch.from_numpy(array if array.flags.c_contiguous else np.ascontiguousarray(array))
     if isinstance(obj, Message):
         return Message(weights=decode(obj.weights), extras=decode(obj.extras), num_samples=obj.num_samples)
     if type(obj) in (dict, OrderedDict):
@@ -295,23 +297,57 @@ def check_reply(
     return None
 
 
-def read_ipconfig(path: str | Path) -> dict[int, tuple[str, int]]:
-    """FedML's GRPC ipconfig CSV (``eid,rank,grpc_server_ip,grpc_server_port``): rank -> (ip, port)."""
+GRPC_BASE_PORT = 8890
+"""FedML's first GRPC port (``CommunicationConstants.GRPC_BASE_PORT``): rank r listens on base + r."""
+
+RANK_ENV = "FEDML_CLIENT_RANK"
+"""What ``fedml launch`` exports on a client machine: its rank 1..C (FedML's job runner)."""
+
+RUN_ID_ENV = "FEDML_CURRENT_RUN_ID"
+"""What ``fedml launch`` exports on every machine of a run: the run id."""
+
+
+def run_port(run_id: str, rank: int, world: int) -> int:
+    """Rank ``rank``'s GRPC port when the ipconfig leaves it out: derived from the run id.
+
+    Every process of a run computes the same table from what the platform gives all of them (the
+    run id), and two runs on the same hosts get different blocks of ports: block
+    ``crc32(run_id) mod 200`` of ``world`` ports above :data:`GRPC_BASE_PORT` (no run id: block 0).
+    """
+    block = zlib.crc32(run_id.encode()) % 200 if run_id else 0
+    port = GRPC_BASE_PORT + block * world + rank
+    if port > 65535:
+        raise ConfigError(
+            f"comm_args.grpc_ipconfig_path: {world} processes leave no free port block for run id {run_id!r}; "
+            "give each rank a grpc_server_port in the ipconfig"
+        )
+    return port
+
+
+def read_ipconfig(path: str | Path, run_id: str = "") -> dict[int, tuple[str, int]]:
+    """FedML's GRPC ipconfig CSV (``eid,rank,grpc_server_ip[,grpc_server_port]``): rank -> (ip, port).
+
+    A row whose port is blank, or a file without the port column, takes the port
+    :func:`run_port` derives from ``run_id`` (``fedml launch`` provides the run id; the machines'
+    addresses still have to be known).
+    """
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(
             f"comm_args.grpc_ipconfig_path: {p} not found; GRPC needs a CSV with columns "
-            "eid,rank,grpc_server_ip,grpc_server_port (see deploy/ipconfig.csv)"
+            "eid,rank,grpc_server_ip[,grpc_server_port] (see deploy/ipconfig.csv)"
         )
     with p.open(newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
-    need = {"eid", "rank", "grpc_server_ip", "grpc_server_port"}
+    need = {"eid", "rank", "grpc_server_ip"}
     if not rows or not need <= set(rows[0]):
-        raise ConfigError(f"{p}: expected a header eid,rank,grpc_server_ip,grpc_server_port and one row per rank")
+        raise ConfigError(f"{p}: expected a header eid,rank,grpc_server_ip[,grpc_server_port] and one row per rank")
     table: dict[int, tuple[str, int]] = {}
     for row in rows:
+        text = (row.get("grpc_server_port") or "").strip()
         try:
-            eid, rank, port = int(row["eid"]), int(row["rank"]), int(row["grpc_server_port"])
+            eid, rank = int(row["eid"]), int(row["rank"])
+            port = int(text) if text else run_port(run_id, rank, len(rows))
         except ValueError as exc:
             raise ConfigError(f"{p}: eid, rank and grpc_server_port must be integers ({exc})") from exc
         if eid != rank:
@@ -871,16 +907,25 @@ def mpi_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tuple
 def grpc_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tuple[int, dict[int, tuple[str, int]]]:
     """This process's GRPC rank, checked against --role and the ipconfig (C_k + 1 rows)."""
     world = world_size(cfg)
+    if rank is None and role == "server":
+        rank = 0
+    elif rank is None and os.environ.get(RANK_ENV, "").strip():
+        text = os.environ[RANK_ENV].strip()
+        try:
+            rank = int(text)
+        except ValueError:
+            raise ConfigError(f"{RANK_ENV}={text!r} is not a rank; pass --rank N") from None
     if rank is None:
         raise ConfigError(
-            f"comm_args.backend GRPC: pass --rank N (0 = server, 1..{world - 1} = clients) and --role server|client"
+            f"comm_args.backend GRPC: pass --rank N (0 = server, 1..{world - 1} = clients) and --role server|client "
+            f"(under fedml launch the client's rank comes from {RANK_ENV})"
         )
     expected = "server" if rank == 0 else "client"
     if role is not None and role != expected:
         raise ConfigError(f"--role {role} does not go with --rank {rank}: rank 0 is the server, ranks 1.. are clients")
     if not cfg.comm_args.grpc_ipconfig_path:
         raise ConfigError("comm_args.grpc_ipconfig_path: GRPC needs an ipconfig CSV (see deploy/ipconfig.csv)")
-    table = read_ipconfig(cfg.comm_args.grpc_ipconfig_path)
+    table = read_ipconfig(cfg.comm_args.grpc_ipconfig_path, cfg.common_args.run_id)
     if sorted(table) != list(range(world)):
         raise ConfigError(
             f"{cfg.comm_args.grpc_ipconfig_path} lists ranks {sorted(table)}, but {world_reason(cfg)}: ranks "
@@ -954,9 +999,8 @@ class WireMeter:
 def _fedml_classes() -> SimpleNamespace:
     """FedML subclasses, defined on first use so that importing this module never imports FedML."""
     import grpc
-    from fedml.core import ClientTrainer, ServerAggregator
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
-    from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
+    from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager, GRPCMapping
     from fedml.core.distributed.communication.message import Message as FedMessage
     from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicationManager
     from fedml.cross_silo.client.fedml_client_master_manager import ClientMasterManager
@@ -965,8 +1009,6 @@ def _fedml_classes() -> SimpleNamespace:
     from fedml.cross_silo.server.message_define import MyMessage
 
     WATCHDOG = "ssfl_watchdog"
-    down_types = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
-    up_types = (MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER,)
 
     # ---- transports: blocking waits instead of FedML's busy polling ----------------------
     class QuietMpiComm(MpiCommunicationManager):
@@ -996,6 +1038,17 @@ def _fedml_classes() -> SimpleNamespace:
             self.meter, self.connect_timeout = meter, connect_timeout
             self._channels: dict[int, Any] = {}
             super().__init__(*args, **kwargs)
+
+        def _init_grpc_mappings(self):
+            """The table :func:`grpc_rank` resolved (ports derived from the run id where the CSV has none)."""
+            table = getattr(self.args, "ssfl_grpc_table", None)
+            if table is None:
+                super()._init_grpc_mappings()
+                return
+            for rank, (ip, port) in table.items():
+                self.grpc_mappings[rank] = GRPCMapping(
+                    eid=rank, rank=rank, grpc_server_ip=ip, grpc_server_port=port, ingress_ip=None
+                )
 
         def _stub(self, receiver: int):
             if receiver not in self._channels:
@@ -1090,54 +1143,12 @@ def _fedml_classes() -> SimpleNamespace:
         return isinstance(payload, dict) and payload.get("kind") == "finish"
 
     # ---- server ----------------------------------------------------------------------------
-    class SSFLServerAggregator(ServerAggregator):
-        """FedML's server hook object wrapping :class:`ServerRuntime` (any registered algorithm).
-
-        ``get_model_params`` / ``aggregate`` return a plain dict ``{silo id: payload}``: FedML
-        sends each worker the entry of the silo it serves this round.
-        """
-
-        def __init__(self, model, args, runtime: ServerRuntime, meter: WireMeter):
-            super().__init__(model, args)
-            self.runtime, self.meter = runtime, meter
-            self._marks = (0, 0)
-
-        def _payloads(self) -> dict[int, Any]:
-            if self.runtime.done:
-                return {k: {"kind": "finish"} for k in self.runtime.routing()}
-            payloads = self.runtime.begin_round()
-            self._marks = (self.meter.total(self.meter.sent, down_types), self.meter.total(self.meter.recv, up_types))
-            return {k: encode(p) for k, p in payloads.items()}
-
-        def get_model_params(self):
-            return self._payloads()
-
-        def set_model_params(self, model_parameters):
-            pass  # the server state lives in the algorithm
-
-        def on_before_aggregation(self, raw_client_model_or_grad_list):
-            return raw_client_model_or_grad_list, list(range(len(raw_client_model_or_grad_list)))
-
-        def aggregate(self, raw_client_model_or_grad_list):
-            uploads = [decode(p) for _, p in raw_client_model_or_grad_list]
-            wire = {
-                "wire_bytes_up": self.meter.total(self.meter.recv, up_types) - self._marks[1],
-                "wire_bytes_down": self.meter.total(self.meter.sent, down_types) - self._marks[0],
-            }
-            self.runtime.finish_round(uploads, **wire)
-            return self._payloads()
-
-        def on_after_aggregation(self, aggregated_model_or_grad):
-            return aggregated_model_or_grad
-
-        def test(self, test_data, device, args):
-            row = self.runtime.last_row
-            return row.get("test_acc"), row.get("test_loss"), None, None
+    from .fedml_hooks import SSFLAggregator, SSFLTrainer
 
     class SSFLSiloAggregator(FedMLAggregator):
         """FedML's round driver, routing silos to workers by the runtime's plan."""
 
-        def __init__(self, server_aggregator: SSFLServerAggregator, args, workers: int, device):
+        def __init__(self, server_aggregator: SSFLAggregator, args, workers: int, device):
             super().__init__(None, None, 0, {}, {}, {}, workers, device, args, server_aggregator)
             self.runtime = server_aggregator.runtime
 
@@ -1337,30 +1348,6 @@ def _fedml_classes() -> SimpleNamespace:
             os._exit(1)
 
     # ---- client ----------------------------------------------------------------------------
-    class SSFLClientTrainer(ClientTrainer):
-        """FedML's client hook object: one :class:`ClientWorker` behind FedML's trainer API."""
-
-        def __init__(self, model, args, worker: ClientWorker):
-            super().__init__(model, args)
-            self.worker = worker
-            self.payload: Any = None
-            self.upload: Any = None
-
-        def get_model_params(self):
-            return self.upload
-
-        def set_model_params(self, model_parameters):
-            self.payload = model_parameters
-
-        def update_dataset(self, local_train_dataset, local_test_dataset, local_sample_number):
-            pass  # the silo comes with the payload (FedML maps silo 0 to the worker's own index)
-
-        def train(self, train_data, device, args):
-            self.upload = encode(self.worker.handle(decode(self.payload)))
-
-        def test(self, test_data, device, args):
-            pass
-
     class SSFLClientManager(ClientMasterManager):
         """FedML's cross-silo client manager; the server's ``finish`` payload ends the run."""
 
@@ -1423,10 +1410,10 @@ def _fedml_classes() -> SimpleNamespace:
                     os._exit(1)
 
     return SimpleNamespace(
-        ServerAggregator=SSFLServerAggregator,
+        ServerAggregator=SSFLAggregator,
         SiloAggregator=SSFLSiloAggregator,
         ServerManager=SSFLServerManager,
-        ClientTrainer=SSFLClientTrainer,
+        ClientTrainer=SSFLTrainer,
         ClientManager=SSFLClientManager,
     )
 
@@ -1549,7 +1536,7 @@ def run_fedml(
     check_backend(cfg)
     backend = cfg.comm_args.backend
     limits = timeouts()
-    comm, peers = None, []
+    comm, peers, table = None, [], None
     if backend == "MPI":
         rank, comm = mpi_rank(cfg, rank, role)
     else:
@@ -1567,7 +1554,7 @@ def run_fedml(
     mpi_pickle = None
     with _fedml_offline() as fedml:
         args = fedml_args(cfg, rank)
-        args.comm = comm
+        args.comm, args.ssfl_grpc_table = comm, table
         with contextlib.redirect_stdout(io.StringIO()):
             args = fedml.init(args, check_env=False, should_init_logs=False)
         if backend == "MPI":
