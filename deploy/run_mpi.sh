@@ -4,7 +4,8 @@
 #   deploy/run_mpi.sh CONFIG [--hostfile FILE] [--gpu-mapping FILE --gpu-key KEY]
 #                            [--set section.key=value ...] [--resume RUN_DIR] [-- MPIRUN_ARGS...]
 #
-# -np is computed from the config: C_k + 1 (train_args.client_num_per_round workers + the server).
+# -np is computed from the config: C_k + 1 (train_args.client_num_per_round workers + the server), or
+# K + 1 in comm_args.mode deployment (one process per silo + the server).
 # --hostfile        an Open MPI hostfile (see deploy/hostfile.example); ranks fill hosts in order.
 # --gpu-mapping/--gpu-key
 #                   a FedML GPU-mapping YAML (deploy/gpu_mapping.yaml) and the key to use: sets
