@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -10,23 +11,61 @@ from typing import Any
 import torch
 
 FORMAT_VERSION = 1
+DIGEST_KEY = "sha256"
+"""The key of the content digest every checkpoint carries (:func:`content_digest`)."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or belongs to a different run."""
 
 
-def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename).
+def content_digest(obj: Any) -> str:
+    """SHA-256 over a checkpoint's content: every tensor's dtype, shape and bytes, every other value's repr.
 
-    A crash mid-write leaves the previous checkpoint intact.
+    Dicts are walked in sorted key order, so the digest does not depend on insertion order. torch's
+    zip reader does not check the archive's CRCs; this digest is what catches damaged tensor bytes.
+    """
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[" if isinstance(x, list) else b"(")
+            for v in x:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(repr(x).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename), with a content digest.
+
+    A crash mid-write leaves the previous checkpoint intact; temporary files that earlier killed
+    writes left beside ``path`` are removed first.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(path.name + ".*.tmp"):
+        stale.unlink(missing_ok=True)
+    body = {"format": FORMAT_VERSION, **payload}
+    body[DIGEST_KEY] = content_digest(body)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save({"format": FORMAT_VERSION, **payload}, fh)
+            torch.save(body, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -36,14 +75,26 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
-    """Read a checkpoint, checking its format and (optionally) the run's config fingerprint.
+def load_checkpoint(
+    path: str | Path, fingerprint: str | None = None, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Read a checkpoint, checking its format, its content digest and (optionally) the run's config.
+
+    Parameters
+    ----------
+    path : str or Path
+        The checkpoint.
+    fingerprint : str, optional
+        The resuming run's config fingerprint; a checkpoint written under another is refused.
+    config : dict, optional
+        The resuming run's config (``ExperimentConfig.to_dict()``): a refusal then names the keys
+        that differ from the run's ``config.yaml`` beside the checkpoint folder.
 
     Raises
     ------
     CheckpointError
-        With the path and what is wrong: missing, unreadable/corrupt, unknown format, or
-        written by a run with a different configuration.
+        With the path and what is wrong: missing, unreadable/corrupt, content that does not match
+        its digest, unknown format, or written by a run with a different configuration.
     """
     path = Path(path)
     if not path.is_file():
@@ -57,10 +108,44 @@ def load_checkpoint(path: str | Path, fingerprint: str | None = None) -> dict[st
         ) from exc
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} is not a fedml_ssfl checkpoint of format {FORMAT_VERSION}")
-    if fingerprint is not None and payload.get("fingerprint") != fingerprint:
+    digest = payload.pop(DIGEST_KEY, None)
+    if digest is None or digest != content_digest(payload):
+        what = "carries no content digest" if digest is None else "does not match its content digest"
         raise CheckpointError(
-            f"checkpoint {path} was written by a run with a different configuration (fingerprint "
-            f"{payload.get('fingerprint')} vs {fingerprint}); refusing to resume. Resume with the run's own "
-            "config.yaml, or start a new run."
+            f"checkpoint {path} {what}: its bytes were damaged or it was not written by fedml_ssfl; it was left "
+            "untouched. Resume from an intact copy or start a new run."
+        )
+    if fingerprint is not None and payload.get("fingerprint") != fingerprint:
+        differ = _config_difference(path, config)
+        raise CheckpointError(
+            f"checkpoint {path} was written by a run with a different configuration"
+            + (f" ({differ} differ)" if differ else f" (fingerprint {payload.get('fingerprint')} vs {fingerprint})")
+            + "; refusing to resume. Resume with the run's own config.yaml, or start a new run."
         )
     return payload
+
+
+def _config_difference(path: Path, config: dict[str, Any] | None) -> str:
+    """The dotted keys in which ``config`` differs from the run's ``config.yaml`` ('' if unknown)."""
+    import yaml
+
+    saved_path = path.parent.parent / "config.yaml"
+    if config is None or not saved_path.is_file():
+        return ""
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return ""
+    if not isinstance(saved, dict):
+        return ""
+    ignore = {"common_args.run_name", "common_args.output_dir", "common_args.run_id", "tracking_args.progress_bar"}
+    keys = []
+    for section in sorted(set(saved) | set(config)):
+        a, b = saved.get(section) or {}, config.get(section) or {}
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            continue
+        for key in sorted(set(a) | set(b)):
+            dotted = f"{section}.{key}"
+            if dotted not in ignore and a.get(key) != b.get(key):
+                keys.append(f"{dotted} ({a.get(key)!r} in the run, {b.get(key)!r} now)")
+    return ", ".join(keys)

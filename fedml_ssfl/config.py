@@ -394,6 +394,12 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
         )
     if len(cfg.data_args.synthetic_shape) != 3:
         raise ConfigError("data_args.synthetic_shape: expected [channels, height, width]")
+    name = cfg.common_args.run_name
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ConfigError(
+            f"common_args.run_name: {name!r} must be one folder name inside common_args.output_dir (no '/', "
+            "'\\', '..'); put the location into common_args.output_dir"
+        )
     _check_partition(cfg.data_args)
     if cfg.comm_args.mode == "deployment":
         _check_deployment(cfg)
@@ -485,7 +491,10 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     algorithm = ssfl.pop("algorithm", ExperimentConfig.algorithm)
     if not isinstance(algorithm, str):
         raise ConfigError(f"ssfl_args.algorithm: expected a string, got {algorithm!r}")
-    algo_cls = registry.get_algorithm(algorithm)
+    try:
+        algo_cls = registry.get_algorithm(algorithm)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
     cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
     cfg.device_args.using_gpu = cfg.device_args.device == "cuda"
@@ -555,6 +564,8 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {p} (pass an existing YAML with --cf, or no --cf for the default)")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not a text file ({exc.reason} at byte {exc.start}); pass a YAML config") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
     if data is None:

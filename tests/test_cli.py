@@ -79,3 +79,17 @@ def test_report_compares_runs_in_one_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "semifl" in out and "server_only" in out
     assert (tmp_path / "cmp.png").stat().st_size > 1000
+
+
+def test_bad_config_inputs_exit_2_with_one_line_naming_the_input(tmp_path, capsys):
+    binary = tmp_path / "config.yaml"
+    binary.write_bytes(b"common_args:\n  run_name: \xf0\x28\x8c\x28\n")
+    cases = [
+        (["run", "--cf", str(binary)], f"{binary}: not a text file"),
+        (["run", "--set", "ssfl_args.algorithm=nope"], "ssfl_args.algorithm: unknown algorithm 'nope'"),
+        (["run", "--set", "trainargs"], "--set 'trainargs': expected section.key=value"),
+    ]
+    for argv, text in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert text in err and "Traceback" not in err, err

@@ -115,7 +115,7 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(small_config, tmp_path
 def test_checkpoint_of_another_config_is_refused(small_config, tmp_path):
     res = run_local(small_config("train_args.comm_round=1"), run_dir=tmp_path / "run")
     other = small_config("train_args.comm_round=1", "train_args.learning_rate=0.5")
-    with pytest.raises(CheckpointError, match="different configuration"):
+    with pytest.raises(CheckpointError, match=r"train_args\.learning_rate \(0\.03 in the run, 0\.5 now\) differ"):
         run_local(other, run_dir=res.run_dir, resume=True)
     with pytest.raises(CheckpointError, match="no checkpoint"):
         run_local(other, run_dir=tmp_path / "empty", resume=True)
@@ -146,3 +146,64 @@ def test_impossible_data_settings_fail_before_training(small_config, tmp_path):
         if torch.cuda.is_available():
             raise ConfigError("cuda present: nothing to check")
         run_local(small_config("device_args.device=cuda"), run_dir=tmp_path / "r2")
+
+
+def test_damaged_tensor_bytes_are_refused_naming_the_file(small_config, tmp_path):
+    """torch's zip reader never checks the archive's CRCs; the checkpoint's own digest does."""
+    from fedml_ssfl.checkpoint import save_checkpoint
+
+    path = tmp_path / "last.pt"
+    pattern = torch.arange(4000, dtype=torch.float32)
+    save_checkpoint(path, {"round": 0, "algorithm": {"w": pattern}})
+    data = bytearray(path.read_bytes())
+    at = data.find(pattern[500:].numpy().tobytes()[:64])
+    assert at > 0
+    data[at : at + 2000] = bytes(2000)  # 2,000 zeroed bytes inside the tensor; the file still unzips
+    path.write_bytes(bytes(data))
+    assert torch.load(path, weights_only=True)["algorithm"]["w"][600] == 0  # torch itself loads it
+    with pytest.raises(CheckpointError, match=f"{path} does not match its content digest"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="carries no content digest"):
+        torch.save({"format": 1, "round": 0}, path)
+        load_checkpoint(path)
+
+
+def test_killed_writes_leave_no_temporary_files_behind(tmp_path):
+    from fedml_ssfl.checkpoint import save_checkpoint
+
+    path = tmp_path / "last.pt"
+    for i in range(3):  # what a kill during torch.save leaves
+        (tmp_path / f"last.pt.abc{i}.tmp").write_bytes(b"x" * 100)
+    (tmp_path / "other.pt.abc.tmp").write_bytes(b"y")  # another file's: not ours to remove
+    save_checkpoint(path, {"round": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "other.pt.abc.tmp"]
+    assert load_checkpoint(path)["round"] == 1
+
+
+def test_run_folders_are_claimed_atomically_by_parallel_processes(tmp_path):
+    """Eight processes started at once with one run name get eight folders."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from fedml_ssfl.runtime.common import fresh_run_dir; "
+        "print(fresh_run_dir(Path(sys.argv[1])))"
+    )
+    base = tmp_path / "race"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(base)], stdout=subprocess.PIPE, text=True) for _ in range(8)
+    ]
+    got = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(got)) == 8 and str(base) in got, got
+    (base.parent / "race-old").mkdir()
+    (base.parent / "race-old" / "metrics.jsonl").write_text("{}")  # an older run's folder is never claimed
+    from fedml_ssfl.runtime.common import fresh_run_dir
+
+    assert fresh_run_dir(base.parent / "race-old") == base.parent / "race-old-2"
+
+
+def test_run_name_stays_inside_output_dir(small_config):
+    for bad in ("../../x", "a/b", "..", ""):
+        with pytest.raises(ConfigError, match="common_args.run_name: .* one folder name inside common_args.output_dir"):
+            small_config(f"common_args.run_name={bad}")

@@ -18,6 +18,7 @@ the same outputs for the same config.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,14 +53,30 @@ class RunFailed(RuntimeError):
     """A run stopped on an error; the message says where, and what was kept."""
 
 
+CLAIM_NAME = ".claimed"
+"""The file whose exclusive creation makes a run folder this run's (see :func:`fresh_run_dir`)."""
+
+
 def fresh_run_dir(base: Path) -> Path:
-    """``base`` if free, else ``base-2``, ``base-3``, ...: a new run never overwrites an old one."""
-    if not base.exists() or not any(base.iterdir()):
-        return base
-    n = 2
-    while (base.parent / f"{base.name}-{n}").exists():
+    """Claim ``base`` if free, else ``base-2``, ``base-3``, ...: a new run never shares a folder.
+
+    A folder is claimed by creating ``.claimed`` in it exclusively (``O_CREAT | O_EXCL``), so two
+    runs started at once with one name get two folders; a folder holding anything else (an older
+    run) is never claimed. The folder exists when this returns.
+    """
+    base.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        candidate = base if n == 1 else base.parent / f"{base.name}-{n}"
         n += 1
-    return base.parent / f"{base.name}-{n}"
+        try:
+            candidate.mkdir(exist_ok=True)
+            if any(p.name != CLAIM_NAME for p in candidate.iterdir()):
+                continue  # an older run's folder
+            os.close(os.open(candidate / CLAIM_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            continue  # another run claimed it first (or a file has the name)
+        return candidate
 
 
 def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:

@@ -1547,7 +1547,8 @@ def run_fedml(
     if is_server:
         base = Path(run_dir) if run_dir is not None else cfg.run_dir()
         run_dir = base if resume else fresh_run_dir(base)
-        state = load_checkpoint(run_dir / "checkpoints" / CHECKPOINT_NAME, cfg.fingerprint()) if resume else None
+        ckpt = run_dir / "checkpoints" / CHECKPOINT_NAME
+        state = load_checkpoint(ckpt, cfg.fingerprint(), cfg.to_dict()) if resume else None
     dev_cfg = _with_device(cfg, rank)
     guarded = not offline.installed() and offline.install(peers)  # uninstalled below only if ours
     meter = WireMeter()

@@ -81,7 +81,7 @@ def run_local(
     base = Path(run_dir) if run_dir is not None else cfg.run_dir()
     run_dir = base if resume else fresh_run_dir(base)
     ckpt_path = run_dir / "checkpoints" / CHECKPOINT_NAME
-    state = load_checkpoint(ckpt_path, cfg.fingerprint()) if resume else None
+    state = load_checkpoint(ckpt_path, cfg.fingerprint(), cfg.to_dict()) if resume else None
 
     exp = build_experiment(cfg, dataset)
     algo = exp.algorithm
