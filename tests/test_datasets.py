@@ -137,6 +137,33 @@ def test_cifar10(tmp_path: Path) -> None:
     assert ds.mean == (0.4914, 0.4822, 0.4465)
 
 
+class _Pwned:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_cifar_batch_runs_nothing_and_is_named(tmp_path: Path) -> None:
+    import pickle
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for i in range(1, 6):
+        _dump(folder / f"data_batch_{i}", {b"data": _pixels(rng, 2, 3, 32, 32).reshape(2, -1), b"labels": [0, 1]})
+    _dump(folder / "test_batch", {b"data": _pixels(rng, 2, 3, 32, 32).reshape(2, -1), b"labels": [0, 1]})
+    marker = tmp_path / "pwned"
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": _Pwned(marker)}))
+    with pytest.raises(ValueError, match=r"batches.meta: not a CIFAR python batch \(names (builtins|io)\.open"):
+        load_dataset("cifar10", root=tmp_path)
+    assert not marker.exists()
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"a"] * 10})[:20])  # truncated
+    with pytest.raises(ValueError, match="batches.meta: not a CIFAR python batch"):
+        load_dataset("cifar10", root=tmp_path)
+
+
 def test_cifar100(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     folder = tmp_path / "cifar-100-python"

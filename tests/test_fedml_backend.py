@@ -1,14 +1,13 @@
 """The FedML runtime's pieces, in one process: protocol, per-silo state, checks, offline guard.
 
 The server and worker halves of :mod:`fedml_ssfl.runtime.fedml_backend` contain no FedML; here
-they talk through ``pickle`` exactly as over MPI/GRPC (same wire encoding), so the round logic,
+they talk through the wire codec exactly as over MPI/GRPC (:mod:`fedml_ssfl.runtime.wire`), so the round logic,
 per-silo state routing and fault handling are checked fast, without launching processes.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from fedml_ssfl.checkpoint import load_checkpoint
 from fedml_ssfl.config import ConfigError
 from fedml_ssfl.experiment import build_experiment
 from fedml_ssfl.runtime import offline
+from fedml_ssfl.runtime import wire as codec
 from fedml_ssfl.runtime.common import RunFailed
 from fedml_ssfl.runtime.fedml_backend import (
     ClientWorker,
@@ -38,7 +38,7 @@ from fedml_ssfl.runtime.local import run_local
 
 def wire(obj):
     """What a payload looks like after crossing MPI / GRPC."""
-    return decode(pickle.loads(pickle.dumps(encode(obj), protocol=pickle.HIGHEST_PROTOCOL)))
+    return decode(codec.loads(codec.dumps(encode(obj))))
 
 
 def run_protocol(cfg, run_dir, tamper=None, stop_after=None, resume=False):
@@ -204,7 +204,7 @@ def test_wire_encoding_is_exact_and_compact():
     assert counter["n"].shape == () and int(counter["n"]) == 7 and counter["t"].shape == (4, 3)
     big = {f"p{i}": torch.randn(256, 256) for i in range(8)}
     raw = sum(t.numel() * 4 for t in big.values())
-    assert len(pickle.dumps(encode(big), protocol=5)) < raw * 1.001
+    assert len(codec.dumps(encode(big))) < raw * 1.001
 
 
 def test_deployment_files_are_checked(tmp_path):

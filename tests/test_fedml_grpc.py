@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -225,3 +226,46 @@ def test_ranks_and_ports_come_from_what_fedml_launch_provides(tmp_path):
     import yaml
 
     assert yaml.safe_load((cfg.run_dir() / "config.yaml").read_text())["common_args"]["run_id"] == run_id
+
+
+class _Pwned:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_hostile_bytes_on_the_grpc_ports_run_nothing_and_the_run_completes(tmp_path):
+    """A pickle that would write a file, and bytes that are no message at all, sent to the server's and a
+    client's port while a run is in progress: nothing executes, the run completes, the drops are logged."""
+    import grpc
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
+
+    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
+
+    cfg = grpc_config(tmp_path, 3, "train_args.comm_round=3", "common_args.run_name=attacked")
+    ports = [p for _, p in read_ipconfig(tmp_path / "ipconfig.csv").values()]
+    procs = start([str(CLI)], tmp_path / "c.yaml", 3, env())
+    marker = tmp_path / "pwned"
+    for port in (ports[0], ports[1]):
+        deadline = time.monotonic() + 120  # wait for the port itself: gRPC's reconnect backoff grows to minutes
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+            stub = grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel)
+            for payload in (pickle.dumps(_Pwned(marker)), b"not a pickle"):
+                request = grpc_comm_manager_pb2.CommRequest(client_id=0, message=payload)
+                stub.sendMessage(request, timeout=60, wait_for_ready=True)
+    results = finish(procs, TIMEOUT)
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
+    assert not marker.exists()
+    assert json.loads((cfg.run_dir() / "summary.json").read_text())["status"] == "completed"
+    for rank in (0, 1):
+        assert results[rank][2].count(f"rank {rank} dropped a message it could not decode") == 2, results[rank][2][
+            -3000:
+        ]

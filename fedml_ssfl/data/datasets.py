@@ -329,13 +329,45 @@ def _read_idx_set(name: str, folder: Path, stems: list[str]) -> list[np.ndarray]
     return [read_idx(p) for p in paths]
 
 
+class _BatchUnpickler(pickle.Unpickler):
+    """Builds only what a CIFAR batch holds: dicts, lists, strings, numbers and NumPy arrays.
+
+    Any other global a pickle names (a function to call, a class to build) is refused, so a crafted
+    batch file cannot run code.
+    """
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"names {module}.{name}, which a CIFAR batch never holds")
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict[bytes, Any]:
     """Load a CIFAR python pickle; keys are returned as bytes whatever the pickle used.
 
-    CIFAR batches are pickles, so only read files from a source you trust.
+    Read with :class:`_BatchUnpickler`: only a batch's own types are built.
+
+    Raises
+    ------
+    ValueError
+        The file is not a CIFAR batch (truncated, not a pickle, or naming anything else), naming it.
     """
-    with open(path, "rb") as f:
-        obj = pickle.load(f, encoding="bytes")
+    try:
+        with open(path, "rb") as f:
+            obj = _BatchUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        raise ValueError(f"{path}: not a CIFAR python batch ({exc}); download the dataset again") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: not a CIFAR python batch (holds a {type(obj).__name__}, not a dict)")
     return {(k.encode() if isinstance(k, str) else k): v for k, v in obj.items()}
 
 

@@ -64,7 +64,6 @@ import functools
 import io
 import logging
 import os
-import pickle
 import queue
 import signal
 import sys
@@ -90,7 +89,7 @@ from ..config import ConfigError, ExperimentConfig
 from ..data import ImageDataset
 from ..experiment import Experiment, build_experiment, deployed
 from ..sampling import sample_clients
-from . import offline
+from . import offline, wire
 from .common import (
     CHECKPOINT_NAME,
     RoundStart,
@@ -102,6 +101,7 @@ from .common import (
     is_checkpoint_round,
     start_round,
 )
+from .wire import WireArray, WireError
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def timeouts() -> SimpleNamespace:
 
 
 # ---------------------------------------------------------------------------------------------
-# the wire: dense tensors travel as NumPy arrays (3x faster to pickle, ~0.01% framing)
+# the wire: dense tensors travel as NumPy arrays, written as raw bytes by wire.py (no pickle)
 
 
 _NUMPY_DTYPES = {
@@ -164,21 +164,6 @@ _NUMPY_DTYPES = {
     torch.complex64,
     torch.complex128,
 }
-
-
-class WireArray:
-    """A dense tensor on the wire (as a NumPy array); :func:`decode` turns it back."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-    def __getstate__(self):
-        return self.array
-
-    def __setstate__(self, state):
-        self.array = state
 
 
 def encode(obj: Any) -> Any:
@@ -962,10 +947,11 @@ class DeliveryError(ConnectionError):
 class WireMeter:
     """Serialized bytes actually sent / received, by FedML message type (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, message_class: type | None = None) -> None:
         self.lock = threading.Lock()
         self.sent: dict[Any, int] = {}
         self.recv: dict[Any, int] = {}
+        self.message_class = message_class  # FedML's transport message (set when FedML is imported)
 
     @staticmethod
     def _type(obj: Any) -> Any:
@@ -985,12 +971,15 @@ class WireMeter:
             return sum(table.get(t, 0) for t in types)
 
     def dumps(self, obj: Any) -> bytes:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        """Encode with :mod:`~fedml_ssfl.runtime.wire` (no pickle), counting the bytes."""
+        data = wire.dumps(obj, self.message_class)
         self.count(self.sent, obj, len(data))
         return data
 
     def loads(self, buf: Any) -> Any:
-        obj = pickle.loads(buf)
+        """Decode with :mod:`~fedml_ssfl.runtime.wire`; :class:`~fedml_ssfl.runtime.wire.WireError` for
+        bytes that are not a well-formed message (nothing is built from them)."""
+        obj = wire.loads(buf, self.message_class)
         self.count(self.recv, obj, memoryview(buf).nbytes)
         return obj
 
@@ -1097,7 +1086,14 @@ def _fedml_classes() -> SimpleNamespace:
                     item = self.grpc_servicer.message_q.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                msg = item if isinstance(item, FedMessage) else self.meter.loads(item)
+                if isinstance(item, FedMessage):
+                    msg = item
+                else:
+                    try:
+                        msg = self.meter.loads(item)
+                    except WireError as exc:  # nothing was built from the bytes: drop them, say so
+                        log.warning("rank %d dropped a message it could not decode: %s", self.client_rank, exc)
+                        continue
                 for observer in self._observers:
                     observer.receive_message(msg.get_type(), msg)
 
@@ -1554,6 +1550,9 @@ def run_fedml(
     meter = WireMeter()
     mpi_pickle = None
     with _fedml_offline() as fedml:
+        from fedml.core.distributed.communication.message import Message as FedMessage
+
+        meter.message_class = FedMessage
         args = fedml_args(cfg, rank)
         args.comm, args.ssfl_grpc_table = comm, table
         with contextlib.redirect_stdout(io.StringIO()):

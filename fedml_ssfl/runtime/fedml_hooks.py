@@ -43,6 +43,7 @@ from fedml.cross_silo.server.message_define import MyMessage
 
 from ..config import ConfigError, ExperimentConfig, load_config
 from ..experiment import build_experiment, deployed
+from . import wire
 from .common import RunResult, fresh_run_dir
 from .fedml_backend import (
     DeployedServerRuntime,
@@ -206,6 +207,11 @@ def init(args=None) -> SimpleNamespace:
     call to its cloud for configs (``fetch_config``) is replaced; its client counts are set to
     the K silos, each rank serving its own silo.
 
+    Under MPI, FedML's messages then travel through :mod:`~fedml_ssfl.runtime.wire` instead of
+    pickle (``MPI.pickle`` is replaced for the process). Under GRPC FedML's stock transport still
+    unpickles what reaches its port: run the stock path over GRPC only on a network you trust, or use
+    ``fedml-ssfl run``, whose GRPC transport uses the codec.
+
     Raises
     ------
     ConfigError
@@ -230,6 +236,10 @@ def init(args=None) -> SimpleNamespace:
         K = worker_count(cfg)
         if cfg.comm_args.backend == "MPI":
             mpi_rank(cfg, None, None)  # the process count, before FedML asserts it
+            from fedml.core.distributed.communication.message import Message as FedMessage
+            from mpi4py import MPI
+
+            MPI.pickle.__init__(*wire.codec(FedMessage))  # FedML's MPI messages through the codec, not pickle
         else:
             grpc_rank(cfg, int(args.rank), getattr(args, "role", None))
         t, d = cfg.train_args, cfg.device_args
