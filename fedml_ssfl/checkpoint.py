@@ -31,7 +31,7 @@ def content_digest(obj: Any) -> str:
         if isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(x, dict):
             h.update(b"{")
             for k in sorted(x, key=repr):
