@@ -175,8 +175,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         for name in cfg.common_args.compare_with:
             if name == cfg.algorithm:
                 continue
-            sub_cfg = cfg.with_algorithm(name, run_name=f"{result.run_dir.name}/compare/{name}")
-            sub_cfg.common_args.output_dir = str(result.run_dir.parent)
+            sub_cfg = cfg.with_algorithm(name, run_name=name)
+            sub_cfg.common_args.output_dir = str(result.run_dir / "compare")
             sub_dir = result.run_dir / "compare" / name
             sub_resume = resume and sub_dir.exists()
             results.insert(0, run_local(sub_cfg, run_dir=sub_dir, resume=sub_resume, stop_after=args.stop_after))
