@@ -28,7 +28,12 @@ def content_digest(obj: Any) -> str:
     h = hashlib.sha256()
 
     def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.layout == torch.sparse_coo:
+            t = x.detach().cpu().coalesce()
+            h.update(f"S{tuple(t.shape)}".encode())
+            walk(t.indices())
+            walk(t.values())
+        elif isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

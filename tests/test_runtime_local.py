@@ -154,7 +154,8 @@ def test_damaged_tensor_bytes_are_refused_naming_the_file(small_config, tmp_path
 
     path = tmp_path / "last.pt"
     pattern = torch.arange(4000, dtype=torch.float32)
-    save_checkpoint(path, {"round": 0, "algorithm": {"w": pattern, "bn_count": torch.tensor(3)}})
+    sparse = torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse()  # FedMatch keeps sparse deltas
+    save_checkpoint(path, {"round": 0, "algorithm": {"w": pattern, "bn_count": torch.tensor(3), "d": sparse}})
     assert int(load_checkpoint(path)["algorithm"]["bn_count"]) == 3  # a 0-d tensor (BatchNorm's counter)
     data = bytearray(path.read_bytes())
     at = data.find(pattern[500:].numpy().tobytes()[:64])

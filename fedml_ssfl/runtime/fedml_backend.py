@@ -1068,6 +1068,14 @@ def _fedml_classes() -> SimpleNamespace:
                 r = self.grpc_mappings[receiver]
                 address = f"{r.ingress_ip or r.grpc_server_ip}:{r.grpc_server_port}"
                 code = exc.code().name
+                finished = (
+                    msg.get_type() == MyMessage.MSG_TYPE_C2S_CLIENT_STATUS
+                    and msg.get(MyMessage.MSG_ARG_KEY_CLIENT_STATUS) == "FINISHED"
+                )
+                if finished and code in ("UNAVAILABLE", "CANCELLED"):
+                    # the run is over: the server may stop while this last notice is in flight
+                    log.info("rank %d: the server stopped while it was told this rank finished", self.client_rank)
+                    return
                 waited = (
                     f"within {self.connect_timeout:.0f} s (FEDML_SSFL_CONNECT_TIMEOUT)"
                     if code == "DEADLINE_EXCEEDED"
@@ -1104,7 +1112,8 @@ def _fedml_classes() -> SimpleNamespace:
             for channel, _ in self._channels.values():
                 channel.close()
             self._channels.clear()
-            super().stop_receive_message()
+            self.grpc_server.stop(grace=2.0)  # calls in flight (a worker's last status) may complete
+            self.is_running = False
 
     def make_comm(manager) -> None:
         """Install the quiet transport on a FedML comm manager (called from ``_init_manager``)."""
