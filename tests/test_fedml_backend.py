@@ -247,6 +247,10 @@ def test_grpc_rank_and_ports_from_the_launch_platform(small_config, tmp_path, mo
     assert [p for _, p in a.values()] == [run_port("run-a", r, 3) for r in range(3)]
     assert len({p for _, p in a.values()}) == 3 and {p for _, p in a.values()}.isdisjoint(p for _, p in b.values())
     assert read_ipconfig(ip)[2] == ("10.0.0.3", GRPC_BASE_PORT + 2)  # no run id: FedML's base + rank
+    bad = tmp_path / "bad.csv"
+    bad.write_text("eid,rank,grpc_server_ip,grpc_server_port\n0,0,10.0.0.1,70000\n")
+    with pytest.raises(ConfigError, match="rank 0's grpc_server_port 70000 is not a TCP port; use 1..65535"):
+        read_ipconfig(bad)
     cfg = small_config(
         "common_args.training_type=cross_silo",
         "comm_args.backend=GRPC",

@@ -337,6 +337,8 @@ def read_ipconfig(path: str | Path, run_id: str = "") -> dict[int, tuple[str, in
             raise ConfigError(f"{p}: eid, rank and grpc_server_port must be integers ({exc})") from exc
         if eid != rank:
             raise ConfigError(f"{p}: row with eid {eid} has rank {rank}; use eid = rank (0 = server)")
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"{p}: rank {rank}'s grpc_server_port {port} is not a TCP port; use 1..65535")
         table[rank] = (row["grpc_server_ip"].strip(), port)
     return table
 
