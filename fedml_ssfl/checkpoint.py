@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .atomic import atomic_write
 
 FORMAT_VERSION = 1
 DIGEST_KEY = "sha256"
@@ -67,17 +67,7 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
         stale.unlink(missing_ok=True)
     body = {"format": FORMAT_VERSION, **payload}
     body[DIGEST_KEY] = content_digest(body)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(body, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda fh: torch.save(body, fh))
 
 
 def load_checkpoint(

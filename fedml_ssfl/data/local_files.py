@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ..atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -392,18 +392,7 @@ def write_npz(
     path = Path(path).expanduser()
     arrays = _npz_layout(images, labels, ids, class_names, path)
     _from_npz_arrays(arrays, path, None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda fh: np.savez(fh, **arrays), prefix=f".{path.name}.")
 
 
 # --------------------------------------------------------------------------------------------
