@@ -40,6 +40,29 @@ class GlobalModelAlgorithm(Algorithm):
         self._eval_model.load_state_dict(self.global_state)
         return self._eval_model
 
+    def server_supervised_steps(
+        self, model: nn.Module, train: Any, round_idx: int, generator: torch.Generator, **options: Any
+    ) -> float:
+        """:func:`~fedml_ssfl.training.supervised_steps` of ``model`` on the server's labeled samples.
+
+        ``train`` is the :class:`~fedml_ssfl.training.TrainSettings` to use; ``options`` (``party``
+        -- default "the server" --, ``steps``, ``augment``, ``loss_weight``, ``optimizer``) are
+        passed on. Returns the mean loss.
+        """
+        options.setdefault("party", "the server")
+        d = self.server_data
+        return supervised_steps(
+            model,
+            InputPipeline(self.data_info, self.device),
+            d.images,
+            d.labels,
+            d.labeled_idx,
+            train,
+            round_idx,
+            generator,
+            **options,
+        )
+
     def train_on_server_labels(
         self, weights: dict[str, torch.Tensor], round_idx: int, loss_weight: float = 1.0, augment: str = "weak"
     ) -> dict[str, torch.Tensor]:
@@ -48,21 +71,8 @@ class GlobalModelAlgorithm(Algorithm):
         ``loss_weight`` and ``augment`` are those of :func:`~fedml_ssfl.training.supervised_steps`.
         """
         model = self.scratch_model(weights, self.device, slot="server")
-        pipeline = InputPipeline(self.data_info, self.device)
         gen = seeding.generator(self.seed, "server", round_idx)
-        supervised_steps(
-            model,
-            pipeline,
-            self.server_data.images,
-            self.server_data.labels,
-            self.server_data.labeled_idx,
-            self.train,
-            round_idx,
-            gen,
-            party="the server",
-            augment=augment,
-            loss_weight=loss_weight,
-        )
+        self.server_supervised_steps(model, self.train, round_idx, gen, augment=augment, loss_weight=loss_weight)
         return cpu_state(model)
 
     def broadcast(self, round_idx: int, weights: dict[str, torch.Tensor] | None = None, **extras: Any) -> Message:

@@ -84,7 +84,6 @@ from ..training import (
     make_optimizer,
     momentum_buffers,
     set_lr,
-    supervised_steps,
 )
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
 from .common import GlobalModelAlgorithm, client_party
@@ -212,18 +211,9 @@ class FedAvgSSL(GlobalModelAlgorithm):
         model = self.scratch_model(self.global_state, self.device, slot="server")
         settings = dataclasses.replace(self.train, local_steps=steps, comm_round=1, lr_schedule="constant")
         opt = self.optimizer(model, {})
-        supervised_steps(
-            model,
-            InputPipeline(self.data_info, self.device),
-            self.server_data.images,
-            self.server_data.labels,
-            self.server_data.labeled_idx,
-            settings,
-            0,
-            seeding.generator(self.seed, "bootstrap"),
-            party="the server (bootstrapping)",
-            steps=steps,
-            optimizer=opt,
+        gen = seeding.generator(self.seed, "bootstrap")
+        self.server_supervised_steps(
+            model, settings, 0, gen, party="the server (bootstrapping)", steps=steps, optimizer=opt
         )
         if self.config.persistent_momentum:
             self.server_momentum = momentum_buffers(opt, model)
@@ -236,18 +226,8 @@ class FedAvgSSL(GlobalModelAlgorithm):
             self.bootstrap()
         model = self.scratch_model(self.global_state, self.device, slot="server")
         opt = self.optimizer(model, self.server_momentum)
-        supervised_steps(
-            model,
-            InputPipeline(self.data_info, self.device),
-            self.server_data.images,
-            self.server_data.labels,
-            self.server_data.labeled_idx,
-            self.train,
-            round_idx,
-            seeding.generator(self.seed, "server", round_idx),
-            party="the server",
-            optimizer=opt,
-        )
+        gen = seeding.generator(self.seed, "server", round_idx)
+        self.server_supervised_steps(model, self.train, round_idx, gen, optimizer=opt)
         if self.config.persistent_momentum:
             self.server_momentum = momentum_buffers(opt, model)
         self._server_state = cpu_state(model)

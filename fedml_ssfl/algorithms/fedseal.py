@@ -80,7 +80,6 @@ from ..training import (
     cpu_state,
     make_optimizer,
     set_lr,
-    supervised_steps,
 )
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
 from .common import GlobalModelAlgorithm, client_party
@@ -311,18 +310,8 @@ class FedSEAL(GlobalModelAlgorithm):
             return dict(weights)
         model = self.scratch_model(weights, self.device, slot="server")
         settings = dataclasses.replace(self.train, learning_rate=self.round_lr(round_idx), lr_schedule="constant")
-        supervised_steps(
-            model,
-            InputPipeline(self.data_info, self.device),
-            self.server_data.images,
-            self.server_data.labels,
-            self.server_data.labeled_idx,
-            settings,
-            round_idx,
-            seeding.generator(self.seed, "fedseal-server", round_idx),
-            party="the server",
-            steps=self.server_steps,
-        )
+        gen = seeding.generator(self.seed, "fedseal-server", round_idx)
+        self.server_supervised_steps(model, settings, round_idx, gen, steps=self.server_steps)
         return cpu_state(model)
 
     def bootstrap(self) -> None:
@@ -339,18 +328,8 @@ class FedSEAL(GlobalModelAlgorithm):
                 lr_cosine_c=0.5,
                 lr_warmup_rounds=0,
             )
-            supervised_steps(
-                model,
-                InputPipeline(self.data_info, self.device),
-                self.server_data.images,
-                self.server_data.labels,
-                self.server_data.labeled_idx,
-                settings,
-                0,
-                seeding.generator(self.seed, "fedseal-bootstrap"),
-                party="the server (bootstrapping)",
-                steps=steps,
-            )
+            gen = seeding.generator(self.seed, "fedseal-bootstrap")
+            self.server_supervised_steps(model, settings, 0, gen, party="the server (bootstrapping)", steps=steps)
             self.base_state = cpu_state(model)
         self.bootstrapped = True
 
