@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of one) and output folders."""
 
 from __future__ import annotations
 
@@ -37,3 +37,47 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], prefix: st
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def make_folder(path: str | Path) -> Path:
+    """Create folder ``path`` and its parents (an existing folder is fine), or say what is in the way.
+
+    Parameters
+    ----------
+    path : str or Path
+        The folder.
+
+    Returns
+    -------
+    Path
+        ``path``.
+
+    Raises
+    ------
+    OSError
+        One line from :func:`folder_error`: ``path`` or a parent is a file, a folder on the way is
+        not writable, or the system's own reason, naming the path.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise folder_error(path, exc) from None
+    return path
+
+
+def folder_error(path: str | Path, exc: OSError) -> OSError:
+    """``exc``, raised creating or writing in folder ``path``, as one line naming the culprit and the fix.
+
+    A file where ``path`` or one of its parents should be becomes a :class:`NotADirectoryError`
+    naming that file; a permission error names the nearest existing folder; anything else keeps the
+    system's reason and names the file it was about.
+    """
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    in_the_way = isinstance(exc, (FileExistsError, NotADirectoryError))
+    if in_the_way and existing is not None and not existing.is_dir():
+        return NotADirectoryError(f"{existing} is a file, not a folder: move it away or rename it")
+    if isinstance(exc, PermissionError):
+        return PermissionError(f"{existing or path} is not writable (permission denied): make it writable")
+    return type(exc)(f"{exc.filename or path}: {exc.strerror or exc}")

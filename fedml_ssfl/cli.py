@@ -48,6 +48,7 @@ def _config_path(args: argparse.Namespace) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedml-ssfl", description="Semi-supervised federated learning on FedML")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment (default: the offline MNIST-5k main job)")
@@ -203,6 +204,7 @@ def format_results_table(cfg: ExperimentConfig, results: list) -> str:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
+    from .atomic import make_folder
     from .data.report import partition_report, save_partition_heatmap
     from .experiment import load_experiment_dataset, make_split
 
@@ -211,7 +213,11 @@ def cmd_partition(args: argparse.Namespace) -> int:
     split = make_split(cfg, dataset)
     print(partition_report(split, dataset.train_labels, dataset.class_names))
     out = Path(args.out) if args.out else cfg.run_dir() / "partition.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        make_folder(out.parent)
+    except OSError as exc:
+        fix = "pass --out another path" if args.out else "set common_args.output_dir to another folder (or pass --out)"
+        raise ConfigError(f"cannot write the heat-map {out}: {exc}; or {fix}") from None
     save_partition_heatmap(
         split, dataset.train_labels, out, title=f"{cfg.data_args.dataset} {cfg.data_args.partition_method}"
     )
@@ -237,7 +243,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mobile_export.export import run_export_from_args
 
-    return run_export_from_args(args)
+    return run_export_from_args(args, prog="fedml-ssfl export")
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,6 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, RunFailed, FileNotFoundError) as exc:
         print(f"fedml-ssfl {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+    except Exception as exc:  # a bug, or an input no check knows yet: one line unless asked for more
+        if args.debug:
+            raise
+        print(
+            f"fedml-ssfl {args.command}: error: {type(exc).__name__}: {exc} "
+            "(run again with --debug for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

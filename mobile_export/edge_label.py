@@ -28,6 +28,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -71,6 +72,15 @@ class ModelInfo:
         return f"uint8 images of shape (N, {self.channels}, {self.height}, {self.width}) (N, C, H, W)"
 
 
+def _ort_reason(exc: BaseException) -> str:
+    """onnxruntime's load error in a few words: its type and the message without the code and source location."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"^Load model from .*? failed:", "", text)
+    text = re.sub(r"^\S+\.cc:\d+ \S+ ", "", text).strip()
+    return f"{type(exc).__name__}: {text}"[:160] if text else type(exc).__name__
+
+
 class EdgeLabeler:
     """An exported edge model in an onnxruntime session.
 
@@ -80,6 +90,12 @@ class EdgeLabeler:
         ``.onnx`` or ``.ort`` file written by ``mobile_export.export``.
     threads : int
         onnxruntime intra-op threads (0: its default, one per physical core).
+
+    Raises
+    ------
+    EdgeInputError
+        The file is missing, is not an ONNX / ORT model (a text file, a truncated model), or is a
+        model that ``mobile_export`` did not write.
     """
 
     def __init__(self, model_path: str | Path, threads: int = 0) -> None:
@@ -92,7 +108,13 @@ class EdgeLabeler:
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime's own types: InvalidProtobuf, Fail, ...
+            reason = "an empty file" if path.stat().st_size == 0 else _ort_reason(exc)
+            raise EdgeInputError(f"{path} is not an ONNX model onnxruntime can load ({reason}): another "
+                                 "kind of file, or truncated; export the model with `fedml-ssfl export RUN_DIR` and "
+                                 "pass its model.onnx / model.ort (or model.int8.*)") from None
         meta = self.session.get_modelmeta().custom_metadata_map
         if meta.get("format") != FORMAT_TAG:
             raise EdgeInputError(f"{path} is not a fedml_ssfl edge model (metadata 'format' is "
@@ -342,6 +364,13 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
     thr = labeler.thresholds(thresholds)
     res = labeler.predict(images, thr, batch_size=batch_size)
     probs, label, conf, mask = res["probs"], res["label"], res["confidence"], res["mask"]
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        in_the_way = next((p for p in (out, *out.parents) if p.exists()), out)
+        why = f"{in_the_way} is a file, not a folder" if not in_the_way.is_dir() else exc.strerror
+        raise EdgeInputError(f"output folder {out} cannot be created ({why}); pass --out a writable folder") from None
     counts = None
     if ensemble_state is not None:
         state = EnsembleState.load(ensemble_state, labeler.info, reset=reset_ensemble)
@@ -350,8 +379,6 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
         conf = probs[np.arange(len(label)), label]
         mask = conf >= thr[label]
         state.save(ensemble_state)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     names = labeler.info.class_names
     with open(out / "pseudo_labels.csv", "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)

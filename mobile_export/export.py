@@ -398,6 +398,22 @@ def torch_predictions(
 # export of a model
 
 
+def make_out_dir(out_dir: str | Path) -> Path:
+    """Create the output folder (and its parents), or an :class:`ExportError` naming what is in the way.
+
+    Raises
+    ------
+    ExportError
+        ``out_dir`` or a parent is a file, or a folder on the way is not writable.
+    """
+    from fedml_ssfl.atomic import make_folder
+
+    try:
+        return make_folder(out_dir)
+    except OSError as exc:
+        raise ExportError(f"output folder {out_dir}: {exc}; or pass --out another folder") from None
+
+
 def _session(report: ExportReport, path: Path, check: str):
     try:
         return verify.make_session(path)
@@ -464,8 +480,7 @@ def export_model(
         Bad input, an op the exporter cannot handle, or a failed check (the report is still
         written, with ``status: failed`` and the failing check).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_out_dir(out_dir)
     meta.thresholds = check_thresholds(meta.thresholds, meta.num_classes)
     thresholds = np.asarray(meta.thresholds, dtype=np.float32)
     images = _check_images(test_images, meta, "test_images")
@@ -583,8 +598,9 @@ def load_run_source(source: str | Path) -> RunSource:
     Raises
     ------
     ExportError
-        Nothing there, a run without a checkpoint, no config beside the checkpoint, or an
-        unreadable checkpoint / config.
+        Nothing there, a folder that is not a run, a run without a checkpoint, a file that is not a
+        checkpoint (an exported model, a truncated or foreign file), no config beside the checkpoint,
+        or an unreadable checkpoint / config.
     """
     from fedml_ssfl.checkpoint import CheckpointError, load_checkpoint
     from fedml_ssfl.config import ConfigError, load_config
@@ -592,23 +608,34 @@ def load_run_source(source: str | Path) -> RunSource:
     src = Path(source).expanduser()
     if src.is_dir():
         ckpt = src / "checkpoints" / "last.pt"
+        if not ckpt.is_file() and not (src / "config.yaml").is_file():
+            raise ExportError(f"{src} is not a run folder (it has no config.yaml and no checkpoints/last.pt); pass "
+                              "a run folder written by `fedml-ssfl run`, or a checkpoint file")
         if not ckpt.is_file():
             raise ExportError(f"run {src} has no checkpoint (expected {ckpt}): the run has not saved one yet; let "
                               "it finish a round (or lower tracking_args.checkpoint_every), or pass a checkpoint file")
         configs = [src / "config.yaml"]
     elif src.is_file():
+        if src.suffix.lower() in (".onnx", ".ort"):
+            raise ExportError(f"{src} is an exported model, not a checkpoint; pass the run folder it was exported "
+                              "from (or its checkpoints/last.pt)")
         ckpt = src
         configs = [src.parent / "config.yaml", src.parent.parent / "config.yaml"]
     else:
         raise ExportError(f"{src} does not exist; pass a run directory (with checkpoints/last.pt) or a checkpoint file")
+    try:
+        payload = load_checkpoint(ckpt)
+    except CheckpointError as exc:
+        cause = exc.__cause__
+        if cause is None:  # damaged content or another format: the checkpoint's own message says which
+            raise ExportError(str(exc)) from exc
+        raise ExportError(f"{ckpt} is not a fedml_ssfl checkpoint ({_first_line(cause)}): it is another kind of "
+                          "file or truncated; pass a run folder (with checkpoints/last.pt) or the checkpoint file "
+                          "`fedml-ssfl run` wrote") from exc
     config_path = next((c for c in configs if c.is_file()), None)
     if config_path is None:
         raise ExportError(f"no config.yaml found for checkpoint {ckpt} (looked at {', '.join(map(str, configs))}); "
                           "export needs the run's resolved config to rebuild the model and load its data")
-    try:
-        payload = load_checkpoint(ckpt)
-    except CheckpointError as exc:
-        raise ExportError(str(exc)) from exc
     try:
         cfg = load_config(config_path)
     except ConfigError as exc:
@@ -817,8 +844,11 @@ def format_report(report: ExportReport) -> str:
     return "\n".join(lines)
 
 
-def run_export_from_args(args: argparse.Namespace) -> int:
-    """Run an export from parsed :func:`add_export_arguments` arguments; 0 on success, 1 on failure."""
+def run_export_from_args(args: argparse.Namespace, prog: str = "export") -> int:
+    """Run an export from parsed :func:`add_export_arguments` arguments; 0 on success, 1 on failure.
+
+    A refused or failed export prints one line, ``<prog>: error: <reason>``, to stderr.
+    """
     out = Path(args.out) if args.out else default_out_dir(args.source)
     if not logging.getLogger().isEnabledFor(logging.DEBUG):  # the exporters' pass-by-pass INFO chatter
         for name in ("onnxscript", "onnx_ir", "onnxruntime", "torch.onnx"):
@@ -830,7 +860,7 @@ def run_export_from_args(args: argparse.Namespace) -> int:
             max_acc_drop=args.max_acc_drop / 100.0, min_agreement=args.min_agreement / 100.0, weights=args.weights,
         )
     except ExportError as exc:
-        print(f"export: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     print(format_report(report))
     return 0

@@ -77,3 +77,15 @@ def resume_matches_uninterrupted(cfg: ExperimentConfig, tmp_path, stop_after: in
     assert_same_state(a["algorithm"], b["algorithm"], "algorithm")
     assert_same_state(a["client_states"], b["client_states"], "client_states")
     return a, b
+
+
+def one_line_error(err: str, prefix: str) -> str:
+    """The error ``err`` (captured stderr) ends with: one line starting ``prefix``, and no traceback.
+
+    Returns that line, for the caller to check what it names.
+    """
+    assert "Traceback" not in err, err
+    assert prefix in err, err
+    tail = err[err.index(prefix) :]
+    assert tail.count("\n") <= 1 and tail.strip(), err
+    return tail.strip()

@@ -280,3 +280,120 @@ def test_missing_files_message(tmp_path: Path, name: str) -> None:
         "emnist_balanced": "emnist-balanced-test-images-idx3-ubyte",
     }[name]
     assert expected in message
+
+
+# --------------------------------------------------------------------------------------------
+# damaged files and label counts: one line through the command line, naming the files
+# --------------------------------------------------------------------------------------------
+
+
+def _partition(root: Path, name: str) -> int:
+    """``fedml-ssfl partition`` on dataset ``name`` read from ``root`` (it loads the data first)."""
+    from fedml_ssfl.cli import main
+
+    sets = [
+        f"data_args.dataset={name}",
+        f"data_args.data_cache_dir={root}",
+        "data_args.num_server_labels=10",
+        "train_args.client_num_in_total=2",
+        "train_args.client_num_per_round=2",
+    ]
+    return main(["partition", *[a for s in sets for a in ("--set", s)], "--out", str(root / "p.png")])
+
+
+def _write_real(root: Path, name: str, extra_train_labels: int = 0) -> Path:
+    """Tiny files of dataset ``name`` under ``root``; the train labels get ``extra_train_labels`` more (or fewer).
+
+    Returns the file holding the train labels.
+    """
+    from scipy.io import savemat
+
+    rng = np.random.default_rng(5)
+    n, k = 20, {"cifar100": 100, "emnist_balanced": 47}.get(name, 10)
+    if name in ("mnist", "emnist_balanced"):
+        subdir, prefix = ("MNIST", "") if name == "mnist" else ("EMNIST", "emnist-balanced-")
+        folder = root / subdir / "raw"
+        _write_idx_set(folder, prefix, n, 10, k, rng)
+        labels = folder / f"{prefix}train-labels-idx1-ubyte.gz"
+        _write_idx(labels.with_suffix(""), np.arange(n + extra_train_labels) % k, compress=True)
+        return labels
+    if name == "svhn":
+        root.mkdir(parents=True, exist_ok=True)
+        for split, m in (("train", n), ("test", 10)):
+            y = (np.arange(m + (extra_train_labels if split == "train" else 0)) % 10 + 1).reshape(-1, 1)
+            savemat(str(root / f"{split}_32x32.mat"), {"X": _pixels(rng, m, 32, 32, 3).transpose(1, 2, 3, 0), "y": y})
+        return root / "train_32x32.mat"
+    if name == "npz":
+        from fedml_ssfl.data.local_files import write_npz
+
+        root.mkdir(parents=True, exist_ok=True)
+        write_npz(root / "test.npz", _pixels(rng, 10, 1, 8, 8), np.arange(10) % k)
+        np.savez(root / "train.npz", images=_pixels(rng, n, 8, 8), labels=np.arange(n + extra_train_labels) % k)
+        return root / "train.npz"
+    folder, label_key = {
+        "cifar10": (root / "cifar-10-batches-py", b"labels"),
+        "cifar100": (root / "cifar-100-python", b"fine_labels"),
+    }[name]
+    folder.mkdir(parents=True)
+    train = ["data_batch_3"] if name == "cifar10" else ["train"]
+    for stem in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if name == "cifar10" else ["train", "test"]:
+        m = n + (extra_train_labels if stem in train else 0)
+        _dump(folder / stem, {b"data": _pixels(rng, n, 3 * 32 * 32), label_key: [i % k for i in range(m)]})
+    meta = ("batches.meta", b"label_names") if name == "cifar10" else ("meta", b"fine_label_names")
+    _dump(folder / meta[0], {meta[1]: [f"c{i}".encode() for i in range(k)]})
+    return folder / train[0]
+
+
+@pytest.mark.parametrize("extra", [5, -5], ids=["more_labels", "fewer_labels"])
+@pytest.mark.parametrize("name", ["mnist", "emnist_balanced", "cifar10", "cifar100", "svhn", "npz"])
+def test_label_count_mismatch_is_refused_at_load_naming_the_files_and_counts(tmp_path, capsys, name, extra):
+    """More labels than images failed mid-training; fewer dropped images silently (EMNIST's per-class cut)."""
+    from tests.conftest import one_line_error
+
+    labels = _write_real(tmp_path, name, extra_train_labels=extra)
+    assert _partition(tmp_path, name) == 2
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    if name in ("mnist", "emnist_balanced"):
+        images = labels.parent / labels.name.replace("labels-idx1", "images-idx3")
+        assert f"{labels} holds {20 + extra} labels but {images} holds 20 images" in line, line
+        assert "delete both and download the dataset again" in line
+    elif name == "npz":
+        assert f"{labels}: key 'labels' has shape ({20 + extra},); expected (20,), one label per image" in line, line
+    else:
+        assert f"{labels}: holds {20 + extra} labels but 20 images" in line, line
+        assert "download the dataset again" in line
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("name", ["svhn", "cifar10", "mnist"])
+@pytest.mark.parametrize("cut", [0.5, 100], ids=["half", "100_bytes"])
+def test_a_truncated_dataset_file_is_one_line_naming_it(tmp_path, capsys, name, cut):
+    """SVHN's .mat reader let scipy's OSError / IndexError through; a cut .gz raised EOFError."""
+    from tests.conftest import one_line_error
+
+    path = _write_real(tmp_path, name)
+    if name == "mnist":
+        path = path.parent / "train-images-idx3-ubyte.gz"
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * cut) if cut < 1 else int(cut)])
+    assert _partition(tmp_path, name) == 2
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    what = {"svhn": "not an SVHN .mat file", "cifar10": "not a CIFAR python batch", "mnist": "not a readable gzip"}
+    assert f"{path}: {what[name]}" in line, line
+    assert "download the dataset again" in line
+
+
+def test_an_svhn_mat_without_its_arrays_is_named(tmp_path, capsys):
+    from scipy.io import savemat
+
+    from tests.conftest import one_line_error
+
+    path = _write_real(tmp_path, "svhn")
+    savemat(str(path), {"X": _pixels(np.random.default_rng(0), 4, 32, 32, 3)})  # no y; X the wrong way round
+    assert _partition(tmp_path, "svhn") == 2
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    assert f"{path}: no 'y' array" in line, line
+    savemat(str(path), {"X": _pixels(np.random.default_rng(0), 4, 32, 32, 3), "y": np.ones((4, 1))})
+    assert _partition(tmp_path, "svhn") == 2
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    assert f"{path}: 'X' has shape (4, 32, 32, 3), not (32, 32, 3, N)" in line, line

@@ -200,3 +200,35 @@ def test_cli_errors_and_thresholds(models, batch, tmp_path, capsys):
     assert ".npy or .npz" in capsys.readouterr().err
     assert el.main([str(models["v4"]), str(batch), "--out", str(tmp_path / "ok"), "--threads", "1"]) == 0
     assert "images/s" in capsys.readouterr().out
+
+
+def test_a_model_file_that_is_not_onnx_is_refused_in_one_line(models, batch, tmp_path, capsys):
+    """onnxruntime's InvalidProtobuf / Fail came through as a traceback."""
+    from mobile_export.__main__ import main as mobile_export_main
+    from tests.conftest import one_line_error
+
+    text = tmp_path / "model.onnx"
+    text.write_text("not a model\n")
+    truncated = tmp_path / "model.ort"
+    truncated.write_bytes(models["v4"].read_bytes()[:1000])
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    for path in (text, truncated, empty):
+        assert mobile_export_main(["label", str(path), str(batch), "--out", str(tmp_path / "out")]) == 2
+        line = one_line_error(capsys.readouterr().err, "edge_label: error:")
+        assert f"{path} is not an ONNX model onnxruntime can load (" in line, line
+        assert "export the model with `fedml-ssfl export RUN_DIR`" in line
+    assert "(an empty file)" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_path_that_is_a_file_is_refused_in_one_line(models, batch, tmp_path, capsys):
+    from tests.conftest import one_line_error
+
+    blocker = tmp_path / "labels"
+    blocker.write_text("the user's file\n")
+    for out in (blocker, blocker / "sub"):
+        assert el.main([str(models["v4"]), str(batch), "--out", str(out)]) == 2
+        line = one_line_error(capsys.readouterr().err, "edge_label: error:")
+        assert f"output folder {out} cannot be created ({blocker} is a file, not a folder)" in line, line
+    assert blocker.read_text() == "the user's file\n"

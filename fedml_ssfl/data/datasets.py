@@ -21,6 +21,7 @@ import gzip
 import inspect
 import pickle
 import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,10 @@ def _missing_files_error(name: str, folder: Path, expected: list[str]) -> FileNo
     )
 
 
+_REDOWNLOAD = "delete it and download the dataset again (`data_args.download: true`), or copy an intact file there"
+"""The fix a damaged or mismatched dataset file's message ends with."""
+
+
 def _require(name: str, folder: Path, files: list[str]) -> None:
     """Raise :func:`_missing_files_error` unless every file exists in ``folder``."""
     if not all((folder / f).is_file() for f in files):
@@ -295,21 +300,30 @@ def read_idx(path: str | Path) -> np.ndarray:
 
     Raises
     ------
-    ValueError
-        If the magic number or the size does not match the format.
+    DataFormatError
+        A ValueError naming the file: a bad magic number, a size that does not match the header
+        (a truncated file), or a damaged ``.gz``.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # a truncated or damaged .gz
+        raise DataFormatError(f"{path}: not a readable gzip file ({exc}); {_REDOWNLOAD}") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path}: not an IDX file (bad magic number {data[:4].hex()})")
+        raise DataFormatError(f"{path}: not an IDX file (bad magic number {data[:4].hex()}); {_REDOWNLOAD}")
     dtype, ndim = _IDX_DTYPES[data[2]], data[3]
-    dims = tuple(int(v) for v in np.frombuffer(data, dtype=">i4", count=ndim, offset=4))
     offset = 4 + 4 * ndim
+    if len(data) < offset:
+        raise DataFormatError(f"{path}: IDX header cut short ({len(data)} bytes); the file is truncated: {_REDOWNLOAD}")
+    dims = tuple(int(v) for v in np.frombuffer(data, dtype=">i4", count=ndim, offset=4))
     count = int(np.prod(dims)) if dims else 1
     if len(data) - offset != count * dtype.itemsize:
-        raise ValueError(f"{path}: IDX header says {dims} but the payload has {len(data) - offset} bytes")
+        raise DataFormatError(
+            f"{path}: IDX header says {dims} but the payload has {len(data) - offset} bytes, not "
+            f"{count * dtype.itemsize}; the file is truncated or damaged: {_REDOWNLOAD}"
+        )
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(dims).astype(dtype.newbyteorder("="))
 
 
@@ -321,12 +335,48 @@ def _find_idx(folder: Path, stem: str) -> Path | None:
     return None
 
 
-def _read_idx_set(name: str, folder: Path, stems: list[str]) -> list[np.ndarray]:
-    """Read several IDX files from ``folder``; missing ones raise a FileNotFoundError listing all."""
+def _read_idx_set(name: str, folder: Path, stems: list[str]) -> list[tuple[Path, np.ndarray]]:
+    """Read IDX files from ``folder`` as ``(path, array)``; missing ones raise a FileNotFoundError listing all."""
     paths = [_find_idx(folder, s) for s in stems]
     if any(p is None for p in paths):
         raise _missing_files_error(name, folder, [f"{s} (or {s}.gz)" for s in stems])
-    return [read_idx(p) for p in paths]
+    return [(p, read_idx(p)) for p in paths]
+
+
+def _idx_pair(images: tuple[Path, np.ndarray], labels: tuple[Path, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """An IDX images file ``(N, H, W)`` and its labels file ``(N,)``, checked to hold one label per image.
+
+    Raises
+    ------
+    DataFormatError
+        A file of the wrong rank, or counts that differ (naming both files and both counts).
+    """
+    (x_path, x), (y_path, y) = images, labels
+    if x.ndim != 3:
+        raise DataFormatError(f"{x_path}: holds an array of shape {x.shape}, not images (N, H, W); {_REDOWNLOAD}")
+    if y.ndim != 1:
+        raise DataFormatError(f"{y_path}: holds an array of shape {y.shape}, not labels (N,); {_REDOWNLOAD}")
+    _check_counts(x_path, len(x), y_path, len(y))
+    return x, y
+
+
+def _check_counts(images_path: Path, n_images: int, labels_path: Path, n_labels: int) -> None:
+    """One label per image, or a :class:`DataFormatError` naming both files (or the one file) and both counts.
+
+    Without it more labels than images fail mid-training and fewer drop images silently.
+    """
+    if n_images == n_labels:
+        return
+    if images_path == labels_path:
+        raise DataFormatError(
+            f"{images_path}: holds {n_labels} labels but {n_images} images; each image needs one label "
+            f"(a truncated or mismatched file): {_REDOWNLOAD}"
+        )
+    raise DataFormatError(
+        f"{labels_path} holds {n_labels} labels but {images_path} holds {n_images} images; each image needs "
+        "one label (a truncated or mismatched pair): delete both and download the dataset again "
+        "(`data_args.download: true`), or copy an intact pair there"
+    )
 
 
 class _BatchUnpickler(pickle.Unpickler):
@@ -365,10 +415,22 @@ def _unpickle(path: Path) -> dict[bytes, Any]:
         with open(path, "rb") as f:
             obj = _BatchUnpickler(f, encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
-        raise ValueError(f"{path}: not a CIFAR python batch ({exc}); download the dataset again") from None
+        raise DataFormatError(f"{path}: not a CIFAR python batch ({exc}); {_REDOWNLOAD}") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}: not a CIFAR python batch (holds a {type(obj).__name__}, not a dict)")
+        raise DataFormatError(
+            f"{path}: not a CIFAR python batch (holds a {type(obj).__name__}, not a dict); {_REDOWNLOAD}"
+        )
     return {(k.encode() if isinstance(k, str) else k): v for k, v in obj.items()}
+
+
+def _batch_entry(batch: dict[bytes, Any], key: bytes, path: Path) -> Any:
+    """``batch[key]``, or a :class:`DataFormatError` naming the file and the missing key."""
+    if key not in batch:
+        present = ", ".join(sorted(k.decode(errors="replace") if isinstance(k, bytes) else str(k) for k in batch))
+        raise DataFormatError(
+            f"{path}: no {key.decode()!r} entry (present: {present or 'none'}); not a CIFAR batch: {_REDOWNLOAD}"
+        )
+    return batch[key]
 
 
 def _decode_names(names: list[bytes | str]) -> list[str]:
@@ -376,9 +438,24 @@ def _decode_names(names: list[bytes | str]) -> list[str]:
     return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
 
-def _cifar_images(batch: dict[bytes, Any]) -> np.ndarray:
-    """``(N, 3072)`` rows (R plane, G plane, B plane) as ``(N, 3, 32, 32)``."""
-    return np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+def _cifar_batch(path: Path, label_key: bytes = b"labels") -> tuple[np.ndarray, np.ndarray]:
+    """A CIFAR batch file's images and labels: ``(N, 3072)`` rows (R, G, B planes) as ``(N, 3, 32, 32)``.
+
+    Raises
+    ------
+    DataFormatError
+        The file is not a batch, its rows are not 3,072 bytes, or it holds more or fewer labels
+        than images (naming the file and both counts).
+    """
+    batch = _unpickle(path)
+    data = np.asarray(_batch_entry(batch, b"data", path), dtype=np.uint8)
+    labels = np.asarray(_batch_entry(batch, label_key, path)).reshape(-1)
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        raise DataFormatError(
+            f"{path}: 'data' has shape {data.shape}, not (N, 3072) rows of 32x32 RGB pixels; {_REDOWNLOAD}"
+        )
+    _check_counts(path, len(data), path, len(labels))
+    return data.reshape(-1, 3, 32, 32), labels
 
 
 def _real_dataset(
@@ -459,16 +536,16 @@ def _load_cifar10(root: Path, download: bool, seed: int) -> ImageDataset:
     folder = root / "cifar-10-batches-py"
     _maybe_download("cifar10", root, folder, _CIFAR10_FILES, download)
     _require("cifar10", folder, _CIFAR10_FILES)
-    batches = [_unpickle(folder / f"data_batch_{i}") for i in range(1, 6)]
-    test = _unpickle(folder / "test_batch")
-    train_x = np.concatenate([_cifar_images(b) for b in batches])
-    train_y = np.concatenate([np.asarray(b[b"labels"]) for b in batches])
-    names = _decode_names(_unpickle(folder / "batches.meta")[b"label_names"])
+    batches = [_cifar_batch(folder / f"data_batch_{i}") for i in range(1, 6)]
+    train_x = np.concatenate([x for x, _ in batches])
+    train_y = np.concatenate([y for _, y in batches])
+    meta = folder / "batches.meta"
+    names = _decode_names(_batch_entry(_unpickle(meta), b"label_names", meta))
     stats = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
     return _real_dataset(
         "cifar10",
         (train_x, train_y),
-        (_cifar_images(test), np.asarray(test[b"labels"])),
+        _cifar_batch(folder / "test_batch"),
         names,
         stats,
         flip=True,
@@ -480,13 +557,13 @@ def _load_cifar100(root: Path, download: bool, seed: int) -> ImageDataset:
     folder = root / "cifar-100-python"
     _maybe_download("cifar100", root, folder, _CIFAR100_FILES, download)
     _require("cifar100", folder, _CIFAR100_FILES)
-    train, test = _unpickle(folder / "train"), _unpickle(folder / "test")
-    names = _decode_names(_unpickle(folder / "meta")[b"fine_label_names"])
+    meta = folder / "meta"
+    names = _decode_names(_batch_entry(_unpickle(meta), b"fine_label_names", meta))
     stats = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
     return _real_dataset(
         "cifar100",
-        (_cifar_images(train), np.asarray(train[b"fine_labels"])),
-        (_cifar_images(test), np.asarray(test[b"fine_labels"])),
+        _cifar_batch(folder / "train", b"fine_labels"),
+        _cifar_batch(folder / "test", b"fine_labels"),
         names,
         stats,
         flip=True,
@@ -494,12 +571,32 @@ def _load_cifar100(root: Path, download: bool, seed: int) -> ImageDataset:
 
 
 def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """An SVHN ``.mat`` file: X ``(32, 32, 3, N)`` -> ``(N, 3, 32, 32)``; label 10 -> digit 0."""
+    """An SVHN ``.mat`` file: X ``(32, 32, 3, N)`` -> ``(N, 3, 32, 32)``; label 10 -> digit 0.
+
+    Raises
+    ------
+    DataFormatError
+        The file is truncated or not a MATLAB file, lacks ``X`` or ``y``, holds images of another
+        shape, or holds more or fewer labels than images (naming the file and both counts).
+    """
     from scipy.io import loadmat
 
-    mat = loadmat(str(path))
-    images = np.transpose(np.asarray(mat["X"], dtype=np.uint8), (3, 2, 0, 1))
-    labels = np.asarray(mat["y"], dtype=np.int64).reshape(-1)
+    try:
+        mat = loadmat(str(path))
+    except Exception as exc:  # scipy raises many types for a truncated or foreign file
+        raise DataFormatError(f"{path}: not an SVHN .mat file ({type(exc).__name__}: {exc}); {_REDOWNLOAD}") from None
+    missing = [key for key in ("X", "y") if key not in mat]
+    if missing:
+        raise DataFormatError(
+            f"{path}: no {' or '.join(repr(k) for k in missing)} array; not an SVHN .mat file (truncated?): "
+            f"{_REDOWNLOAD}"
+        )
+    x, y = np.asarray(mat["X"]), np.asarray(mat["y"])
+    if x.ndim != 4 or x.shape[:3] != (32, 32, 3):
+        raise DataFormatError(f"{path}: 'X' has shape {x.shape}, not (32, 32, 3, N); {_REDOWNLOAD}")
+    _check_counts(path, x.shape[3], path, y.size)
+    images = np.transpose(x.astype(np.uint8, copy=False), (3, 2, 0, 1))
+    labels = y.astype(np.int64).reshape(-1)
     labels[labels == 10] = 0
     return images, labels
 
@@ -526,6 +623,7 @@ def _load_idx_dataset(
     folder = root / subdir
     _maybe_download(name, root, folder, stems, download, idx=True)
     x_tr, y_tr, x_te, y_te = _read_idx_set(name, folder, stems)
+    (x_tr, y_tr), (x_te, y_te) = _idx_pair(x_tr, y_tr), _idx_pair(x_te, y_te)
     return (x_tr[:, None], y_tr), (x_te[:, None], y_te)
 
 

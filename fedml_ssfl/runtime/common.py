@@ -26,8 +26,9 @@ from typing import Any
 
 from .. import seeding
 from ..algorithms.base import Message, message_nbytes
+from ..atomic import folder_error, make_folder
 from ..checkpoint import save_checkpoint
-from ..config import ExperimentConfig, save_config
+from ..config import ConfigError, ExperimentConfig, save_config
 from ..experiment import Experiment
 from ..metrics import evaluate
 from ..sampling import sample_clients
@@ -63,8 +64,17 @@ def fresh_run_dir(base: Path) -> Path:
     A folder is claimed by creating ``.claimed`` in it exclusively (``O_CREAT | O_EXCL``), so two
     runs started at once with one name get two folders; a folder holding anything else (an older
     run) is never claimed. The folder exists when this returns.
+
+    Raises
+    ------
+    ConfigError
+        No folder can be made there: ``common_args.output_dir`` (or a parent) is a file, or is not
+        writable; the message names the path and the fix.
     """
-    base.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        make_folder(base.parent)
+    except OSError as exc:
+        raise _output_dir_error(base, exc) from None
     n = 1
     while True:
         candidate = base if n == 1 else base.parent / f"{base.name}-{n}"
@@ -76,7 +86,17 @@ def fresh_run_dir(base: Path) -> Path:
             os.close(os.open(candidate / CLAIM_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
             continue  # another run claimed it first (or a file has the name)
+        except OSError as exc:
+            raise _output_dir_error(candidate, folder_error(candidate, exc)) from None
         return candidate
+
+
+def _output_dir_error(run_dir: Path, exc: OSError) -> ConfigError:
+    """The one-line refusal of a run folder that cannot be made (``exc`` from :func:`.atomic.folder_error`)."""
+    return ConfigError(
+        f"common_args.output_dir: cannot create the run folder {run_dir}: {exc}; "
+        "or set common_args.output_dir to another folder"
+    )
 
 
 def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:
@@ -194,12 +214,15 @@ class RunRecorder:
             exp.algorithm.load_state_dict(resume_state["algorithm"])
             self.start = resume_state["round"] + 1
             self.totals.update(resume_state["totals"])
-        save_config(cfg, self.run_dir / "config.yaml")
-        self.tracker = RunTracker(
-            self.run_dir,
-            cfg.tracking_args.enable_tensorboard,
-            resume_round=self.start - 1 if resume_state is not None else None,
-        )
+        try:
+            save_config(cfg, self.run_dir / "config.yaml")
+            self.tracker = RunTracker(
+                self.run_dir,
+                cfg.tracking_args.enable_tensorboard,
+                resume_round=self.start - 1 if resume_state is not None else None,
+            )
+        except OSError as exc:
+            raise self.write_failed("at the start of the run", exc) from None
         self.measured_r = exp.split.measured_r(exp.dataset.train_labels)
         evals = [r["test_acc"] for r in self.tracker.rows if r.get("test_acc") is not None]
         self.best = max(evals, default=float("nan"))
@@ -236,24 +259,66 @@ class RunRecorder:
                 row["test_acc_max"] = max(e["acc"] for e in evals)
             acc = self.last_acc = ev["acc"]
             self.best = acc if math.isnan(self.best) else max(self.best, acc)
-        self.tracker.log_round(row)
-        if is_checkpoint_round(cfg, r, end):
-            save_checkpoint(
-                self.ckpt_path,
-                {
-                    "round": r,
-                    "fingerprint": cfg.fingerprint(),
-                    "algorithm_name": cfg.algorithm,
-                    "algorithm": algo.state_dict(),
-                    "client_states": client_states,
-                    "totals": self.totals,
-                },
-            )
+        try:
+            self._check_run_dir()
+            self.tracker.log_round(row)
+            if is_checkpoint_round(cfg, r, end):
+                save_checkpoint(
+                    self.ckpt_path,
+                    {
+                        "round": r,
+                        "fingerprint": cfg.fingerprint(),
+                        "algorithm_name": cfg.algorithm,
+                        "algorithm": algo.state_dict(),
+                        "client_states": client_states,
+                        "totals": self.totals,
+                    },
+                )
+        except OSError as exc:
+            raise self.write_failed(f"round {r}", exc) from None
         return acc
 
+    def _check_run_dir(self) -> None:
+        """Raise :class:`NotADirectoryError` when the run folder is gone or is a file now.
+
+        Checked before each round's writes: ``save_checkpoint`` would otherwise re-create a removed
+        folder and fill it with a checkpoint and no config or earlier metrics.
+        """
+        if not self.run_dir.is_dir():
+            what = "replaced by a file" if self.run_dir.exists() else "removed"
+            raise NotADirectoryError(f"the run folder {self.run_dir} was {what} while the run was running")
+
+    def write_failed(self, when: str, exc: OSError) -> RunFailed:
+        """The :class:`RunFailed` for an output that could not be written: names the path and the fix.
+
+        Nothing already saved is touched: the checkpoint is replaced atomically, so the last good one
+        stays, and a run folder replaced by a file is left alone.
+        """
+        if not self.run_dir.is_dir():
+            what = "replaced by a file (left untouched)" if self.run_dir.exists() else "removed"
+            return RunFailed(
+                f"{when}: the run folder {self.run_dir} was {what} while the run was running, so nothing more "
+                f"was written; put the run folder back and continue with `fedml-ssfl run --resume {self.run_dir}`, "
+                "or start a new run"
+            )
+        reason = folder_error(exc.filename or self.run_dir, exc)
+        kept = self.ckpt_path if self.ckpt_path.is_file() else "none yet"
+        return RunFailed(
+            f"{when}: cannot write in the run folder {self.run_dir}: {reason}; outputs already saved are intact "
+            f"(last good checkpoint: {kept}): once that is fixed (or disk space freed), continue with "
+            f"`fedml-ssfl run --resume {self.run_dir}`"
+        )
+
     def fail(self, error: BaseException | str) -> RunFailed:
-        """Write a ``failed`` summary; return the :class:`RunFailed` to raise (names the checkpoint)."""
-        self.tracker.write_summary({"status": "failed", "error": str(error), "run_dir": str(self.run_dir)})
+        """Write a ``failed`` summary; return the :class:`RunFailed` to raise (names the checkpoint).
+
+        When the summary cannot be written (the run folder is gone), the error says so.
+        """
+        try:
+            self._check_run_dir()
+            self.tracker.write_summary({"status": "failed", "error": str(error), "run_dir": str(self.run_dir)})
+        except OSError as exc:
+            return RunFailed(f"{error} (summary.json was not written: {exc})")
         kept = self.ckpt_path if self.ckpt_path.exists() else "none yet"
         return RunFailed(f"{error} Last good checkpoint: {kept}")
 
@@ -284,9 +349,13 @@ class RunRecorder:
             "run_dir": str(self.run_dir),
             **extra,
         }
-        if self.tracker.rows:
-            self.tracker.plot()
-        self.tracker.write_summary(summary)
+        try:
+            self._check_run_dir()
+            if self.tracker.rows:
+                self.tracker.plot()
+            self.tracker.write_summary(summary)
+        except OSError as exc:
+            raise self.write_failed("at the end of the run", exc) from None
         return RunResult(
             run_dir=self.run_dir,
             algorithm=cfg.algorithm,
