@@ -157,6 +157,15 @@ class CommArgs:
     # FedML runtime: simulation (every process loads the whole dataset and the split; silos are routed to
     # workers) | deployment (silo k's data only on rank k + 1, the server's labels only on rank 0)
     mode: str = "simulation"
+    # GRPC security (docs/deploy.md, "Security"): mutual TLS from PEM files ("{rank}" in a path is
+    # replaced by the process's rank), the job's shared HMAC key (a file; or FEDML_SSFL_JOB_KEY), and
+    # ``insecure: true`` to run in plaintext (warned). Ignored by MPI and the local runtime.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""  # the name peers' certificates carry, where it is not their ipconfig address
+    job_key_file: str = ""
+    insecure: bool = False
 
 
 @dataclass

@@ -221,3 +221,19 @@ def test_fedml_runner_refuses_a_simulation_config(tmp_path):
         fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, run_id="0"))
     with pytest.raises(ConfigError, match="fedml_hooks.init"):
         fedml_hooks.load_data(SimpleNamespace())
+
+
+def test_fedml_runner_over_grpc_needs_insecure_said_out_loud(deployment, tmp_path):
+    """FedML's stock GRPC transport unpickles and has no TLS or key: refused unless comm_args.insecure."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from fedml_ssfl.runtime import fedml_hooks
+
+    raw = yaml.safe_load(Path(deployment["config"]).read_text())
+    raw["comm_args"]["backend"] = "GRPC"
+    config = tmp_path / "grpc.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="stock GRPC transport unpickles.*comm_args.insecure: true"):
+        fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, role="server", run_id="0"))

@@ -41,10 +41,28 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def grpc_config(tmp: Path, world: int, *overrides: str) -> ExperimentConfig:
+def make_certs(tmp: Path, world: int) -> list[str]:
+    """A test CA, a certificate per rank and a job key (deploy/make_test_certs.sh), as config overrides."""
+    certs = tmp / "certs"
+    subprocess.run(["bash", str(ROOT / "deploy/make_test_certs.sh"), str(certs), str(world)], check=True, timeout=60)
+    return [
+        f"comm_args.tls_ca={certs / 'ca.pem'}",
+        f"comm_args.tls_cert={certs / 'rank{rank}.pem'}",
+        f"comm_args.tls_key={certs / 'rank{rank}.key'}",
+        f"comm_args.job_key_file={certs / 'job.key'}",
+    ]
+
+
+def grpc_config(tmp: Path, world: int, *overrides: str, tls: bool = False) -> ExperimentConfig:
+    """A GRPC job on 127.0.0.1: mutual TLS and a job key with ``tls``, else plaintext with a job key."""
     ip = tmp / "ipconfig.csv"
     rows = [f"{r},{r},127.0.0.1,{p}" for r, p in enumerate(free_ports(world))]
     ip.write_text("eid,rank,grpc_server_ip,grpc_server_port\n" + "\n".join(rows) + "\n")
+    if tls:
+        security = make_certs(tmp, world)
+    else:
+        (tmp / "job.key").write_text("k" * 64)
+        security = ["comm_args.insecure=true", f"comm_args.job_key_file={tmp / 'job.key'}"]
     cfg = load_config(
         None,
         [
@@ -55,6 +73,7 @@ def grpc_config(tmp: Path, world: int, *overrides: str) -> ExperimentConfig:
             f"comm_args.grpc_ipconfig_path={ip}",
             f"train_args.client_num_per_round={world - 1}",
             "device_args.num_threads=1",
+            *security,
             *overrides,
         ],
     )
@@ -112,6 +131,7 @@ def test_grpc_server_and_two_clients_on_localhost_finish_a_run(tmp_path):
         "train_args.comm_round=2",
         "ssfl_args.averaging=grouping",
         "common_args.run_name=grpc",
+        tls=True,
     )
     record = tmp_path / "net.log"
     results = finish(start([str(CLI)], tmp_path / "c.yaml", 3, env(FEDML_SSFL_NET_RECORD=str(record))), TIMEOUT)
@@ -123,7 +143,7 @@ def test_grpc_server_and_two_clients_on_localhost_finish_a_run(tmp_path):
     assert summary["status"] == "completed" and summary["runtime"] == "fedml-GRPC"
     # the same model as the local runtime
     raw = cfg.to_dict()
-    raw["comm_args"] = {"backend": "local", "grpc_ipconfig_path": ""}
+    raw["comm_args"] = {"backend": "local"}
     raw["common_args"]["training_type"] = "simulation"
     local = run_local(validate(raw), run_dir=tmp_path / "local")
     a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
@@ -236,36 +256,206 @@ class _Pwned:
         return (open, (self.path, "w"))
 
 
-def test_hostile_bytes_on_the_grpc_ports_run_nothing_and_the_run_completes(tmp_path):
-    """A pickle that would write a file, and bytes that are no message at all, sent to the server's and a
-    client's port while a run is in progress: nothing executes, the run completes, the drops are logged."""
+def wait_for_port(port: int, timeout: float = 120) -> None:
+    """Wait for the port itself: gRPC's reconnect backoff grows to minutes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def send_raw(port: int, payload: bytes) -> str:
+    """Send ``payload`` as a CommRequest over plaintext; the status code the receiver answered."""
     import grpc
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
 
-    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
+    opts = [("grpc.enable_http_proxy", 0), ("grpc.max_send_message_length", 64 * 2**20)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as channel:
+        stub = grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel)
+        try:
+            stub.sendMessage(grpc_comm_manager_pb2.CommRequest(client_id=0, message=payload), timeout=60)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "OK"
 
-    cfg = grpc_config(tmp_path, 3, "train_args.comm_round=3", "common_args.run_name=attacked")
+
+# A client that replays, straight to the server's port, its first sealed message after its third.
+REPLAYING_CLIENT = textwrap.dedent(
+    """
+    import sys
+    import grpc
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
+    from fedml_ssfl.runtime import security
+    from fedml_ssfl.cli import main
+
+    original, sent = security.Sealer.seal, []
+
+    def seal(self, receiver, payload):
+        envelope = original(self, receiver, payload)
+        sent.append(envelope)
+        if len(sent) == 3:
+            with grpc.insecure_channel(sys.argv[-1]) as channel:
+                stub = grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel)
+                try:
+                    stub.sendMessage(grpc_comm_manager_pb2.CommRequest(client_id=1, message=sent[0]), timeout=30)
+                except grpc.RpcError as exc:
+                    print("replay answered", exc.code().name, file=sys.stderr)
+        return envelope
+
+    security.Sealer.seal = seal
+    sys.exit(main(sys.argv[1:-1]))
+    """
+)
+
+
+def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_run_completes(tmp_path):
+    """A pickle that would write a file, bytes that are no message, a forged, a tampered, an unknown-rank,
+    an oversized and a replayed message, sent to the server's and a client's port while a run is in
+    progress: nothing executes, each is dropped and logged naming the peer, the run completes."""
+    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
+    from fedml_ssfl.runtime.security import JobSecurity, Sealer
+
+    cfg = grpc_config(tmp_path, 3, "train_args.comm_round=6", "common_args.run_name=attacked")
     ports = [p for _, p in read_ipconfig(tmp_path / "ipconfig.csv").values()]
-    procs = start([str(CLI)], tmp_path / "c.yaml", 3, env())
+    environ = env(FEDML_SSFL_MAX_MESSAGE_BYTES=str(2 * 2**20))
+    launcher = tmp_path / "replay.py"
+    launcher.write_text(REPLAYING_CLIENT)
+    procs = []
+    for rank in range(3):
+        prefix = [sys.executable, str(launcher)] if rank == 1 else [str(CLI)]
+        role = "server" if rank == 0 else "client"
+        tail = [f"127.0.0.1:{ports[0]}"] if rank == 1 else []
+        cmd = [*prefix, "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role, *tail]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ))
     marker = tmp_path / "pwned"
+    key = (tmp_path / "job.key").read_text().encode()
+    stranger = Sealer(JobSecurity(job="", key=b"x" * 64, tls=None), 1)
+    member = Sealer(JobSecurity(job="", key=key, tls=None), 7)
+    tampered = bytearray(Sealer(JobSecurity(job="", key=key, tls=None), 1).seal(0, b"\x00" * 64))
+    tampered[-40] ^= 1
+    attacks = {
+        "pickle": pickle.dumps(_Pwned(marker)),
+        "not a message": b"not a pickle",
+        "forged": stranger.seal(0, b"\x00" * 64),
+        "tampered": bytes(tampered),
+        "unknown rank": member.seal(0, b"\x00" * 64),
+        "oversized": b"\x00" * (3 * 2**20),  # over the limit, within twice it: read, refused by name
+    }
+    answers = {}
     for port in (ports[0], ports[1]):
-        deadline = time.monotonic() + 120  # wait for the port itself: gRPC's reconnect backoff grows to minutes
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.2)
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]) as channel:
-            stub = grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel)
-            for payload in (pickle.dumps(_Pwned(marker)), b"not a pickle"):
-                request = grpc_comm_manager_pb2.CommRequest(client_id=0, message=payload)
-                stub.sendMessage(request, timeout=60, wait_for_ready=True)
+        wait_for_port(port)
+        for name, payload in attacks.items():
+            answers[port, name] = send_raw(port, payload)
+    huge = send_raw(ports[0], b"\x00" * (5 * 2**20))
     results = finish(procs, TIMEOUT)
     for rank, (code, stdout, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
     assert not marker.exists()
     assert json.loads((cfg.run_dir() / "summary.json").read_text())["status"] == "completed"
-    for rank in (0, 1):
-        assert results[rank][2].count(f"rank {rank} dropped a message it could not decode") == 2, results[rank][2][
-            -3000:
-        ]
+    assert set(answers.values()) == {"PERMISSION_DENIED"}, {
+        k: v for k, v in answers.items() if v != "PERMISSION_DENIED"
+    }
+    assert huge == "RESOURCE_EXHAUSTED"  # past twice the limit gRPC refuses it unread
+    server_log, client_log = results[0][2], results[1][2]
+    for log_text, rank in ((server_log, 0), (client_log, 1)):
+        dropped = [x for x in log_text.splitlines() if f"rank {rank} dropped a message from ipv4:127.0.0.1:" in x]
+        for reason in ("not a sealed message", "bad tag", "oversized"):
+            assert sum(reason in x for x in dropped) >= (2 if reason == "bad tag" else 1), (reason, dropped)
+        assert sum("not a sealed message" in x for x in dropped) == 2, dropped  # the pickle and the junk
+    assert any("unknown rank 7" in x for x in server_log.splitlines()), server_log[-3000:]
+    assert "replayed: rank 1's message 1 was already received" in server_log, server_log[-3000:]
+    assert "replay answered PERMISSION_DENIED" in client_log
+
+
+def test_tls_refuses_a_peer_without_a_certificate_of_the_jobs_ca(tmp_path):
+    """Under mutual TLS a plaintext peer, and a peer with a certificate from another CA, cannot even
+    deliver bytes; the run completes."""
+    import grpc
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
+
+    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
+
+    cfg = grpc_config(tmp_path, 2, "train_args.client_num_in_total=2", "train_args.comm_round=2", tls=True)
+    port = read_ipconfig(tmp_path / "ipconfig.csv")[0][1]
+    procs = start([str(CLI)], tmp_path / "c.yaml", 2, env())
+    wait_for_port(port)
+    assert send_raw(port, b"hello") == "UNAVAILABLE"
+    other = tmp_path / "other"
+    subprocess.run(["bash", str(ROOT / "deploy/make_test_certs.sh"), str(other), "1"], check=True, timeout=60)
+    creds = grpc.ssl_channel_credentials(
+        (other / "ca.pem").read_bytes(), (other / "rank0.key").read_bytes(), (other / "rank0.pem").read_bytes()
+    )
+    with grpc.secure_channel(f"127.0.0.1:{port}", creds, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        stub = grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.sendMessage(grpc_comm_manager_pb2.CommRequest(client_id=0, message=b"hello"), timeout=20)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    for rank, (code, stdout, stderr) in enumerate(finish(procs, TIMEOUT)):
+        assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
+    assert json.loads((cfg.run_dir() / "summary.json").read_text())["status"] == "completed"
+
+
+def test_strangers_are_refused_naming_what_differs(tmp_path):
+    """Rank 1 holds another job key (its messages are dropped; it stops naming why); rank 2 runs with
+    another seed and partition (the handshake refuses it, naming both keys). The server stops at the
+    connect timeout, naming them."""
+    cfg = grpc_config(tmp_path, 3, "train_args.comm_round=2")
+    (tmp_path / "other.key").write_text("o" * 64)
+    environ = env(FEDML_SSFL_CONNECT_TIMEOUT="20")
+    base = [str(CLI), "run", "--cf", str(tmp_path / "c.yaml")]
+    extra = {
+        1: ["--set", f"comm_args.job_key_file={tmp_path / 'other.key'}"],
+        2: ["--set", "common_args.random_seed=1", "--set", "data_args.partition_method=dirichlet"],
+    }
+    procs = [
+        subprocess.Popen(
+            [*base, "--rank", str(r), "--role", "server" if r == 0 else "client", *extra.get(r, [])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+        )
+        for r in range(3)
+    ]
+    (server, _, server_err), (code1, _, err1), (code2, _, err2) = finish(procs, TIMEOUT)
+    assert code1 != 0 and "bad tag" in err1 and "Traceback" not in err1, err1[-3000:]
+    assert code2 == 2 and "Traceback" not in err2, err2[-3000:]
+    line2 = next(x for x in err2.splitlines() if "error:" in x)
+    assert "refused" in line2 and "common_args.random_seed (server 0, rank 2 1)" in line2, line2
+    assert "data_args.partition_method (server 'iid', rank 2 'dirichlet')" in line2, line2
+    assert server == 1
+    error = json.loads((cfg.run_dir() / "summary.json").read_text())["error"]
+    assert "rank 2 was refused" in error and "common_args.random_seed" in error, error
+    assert "dropped a message from ipv4:127.0.0.1:" in server_err and "bad tag" in server_err
+
+
+def test_a_second_server_or_a_duplicate_rank_cannot_join_and_exits(tmp_path):
+    """No port sharing: while the job waits for rank 2, a second server and a second rank 1 exit at once
+    naming the port; then rank 2 starts and the job completes with its own processes."""
+    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
+
+    cfg = grpc_config(tmp_path, 3, "train_args.comm_round=2", "common_args.run_name=dup")
+    ports = [p for _, p in read_ipconfig(tmp_path / "ipconfig.csv").values()]
+
+    def launch(rank: int) -> subprocess.Popen:
+        role = "server" if rank == 0 else "client"
+        cmd = [str(CLI), "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+
+    procs = [launch(0), launch(1)]
+    try:
+        for port in ports[:2]:
+            wait_for_port(port)
+        for rank in (0, 1):
+            ((code, _, err),) = finish([launch(rank)], 120)
+            assert code == 2, err[-3000:]
+            assert f"cannot listen on 127.0.0.1:{ports[rank]}" in err and "Traceback" not in err, err[-3000:]
+        procs.append(launch(2))
+    finally:
+        results = finish(procs, TIMEOUT)
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
+    assert json.loads((cfg.run_dir() / "summary.json").read_text())["status"] == "completed"

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,7 @@ FAST = {"server_steps": 2, "bootstrap_steps": 2, "local_epochs": 1}
 # MPI processes (the runtime leaves MPI.Finalize to exit). A fault can be injected per config.
 LAUNCHER = textwrap.dedent(
     """
-    import json, os, sys, traceback
+    import json, os, signal, sys, traceback
     import torch
     from mpi4py import MPI
     from fedml_ssfl.algorithms.fedavg_ssl import FedAvgSSL
@@ -238,6 +239,8 @@ LAUNCHER = textwrap.dedent(
         if mode and ctx.round_idx == 1 and data.client_id == 1:
             if mode == "raise":
                 raise ValueError("disk on fire")
+            if mode == "stop":  # stalled: the process stays, and never answers
+                os.kill(os.getpid(), signal.SIGSTOP)
             os._exit(3)
         reply = original(self, msg, data, state, ctx)
         if mode and ctx.round_idx == 0 and data.client_id == 0:  # a NaN model: refused, the round goes on
@@ -409,6 +412,36 @@ def test_a_worker_process_that_dies_stops_the_job(multi_job):
     assert multi_job["proc"].returncode != 0 and "fault_exit" not in multi_job["results"]
     error = check_failed_run(dying_config(multi_job["tmp"]).run_dir(), multi_job["proc"].stderr)
     assert "terminated" in error and "round 1" in error
+
+
+def test_a_stalled_worker_ends_the_job_in_bounded_time(tmp_path):
+    """A worker stopped with SIGSTOP in round 1 (it never answers, never exits): the server reports it at
+    the round timeout, writes the failed summary and ends the job (MPI_Abort) instead of waiting in
+    MPI_Finalize forever."""
+    cfg = fedml_config(
+        tmp_path,
+        "train_args.client_num_in_total=2",
+        "train_args.client_num_per_round=2",
+        "train_args.comm_round=4",
+        "common_args.run_name=stalled",
+    )
+    manifest = [{"name": "stalled", "config": str(write(cfg, tmp_path / "stalled.yaml")), "fault": "stop"}]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "launch.py").write_text(LAUNCHER)
+    t0 = time.monotonic()
+    proc = mpirun(
+        3,
+        [sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "manifest.json"), str(tmp_path / "out.json")],
+        env=mpi_env(FEDML_SSFL_ROUND_TIMEOUT="10", FEDML_SSFL_FINISH_GRACE="5"),
+        timeout=150,  # a job that hangs fails the test here
+    )
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+    assert summary["status"] == "failed" and "no reply within 10 s" in summary["error"], summary
+    assert "rank 2 (silo 1)" in summary["error"]
+    assert "rank 2 (silo 1)" in proc.stderr and "error:" in proc.stderr, proc.stderr[-3000:]
+    assert load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["round"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ import functools
 import io
 import logging
 import os
+import platform
 import queue
 import signal
 import sys
@@ -73,6 +74,7 @@ import traceback
 import warnings
 import zlib
 from collections import OrderedDict
+from concurrent import futures
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -100,6 +102,16 @@ from .common import (
     fresh_run_dir,
     is_checkpoint_round,
     start_round,
+)
+from .security import (
+    JobSecurity,
+    Opener,
+    Refused,
+    Sealer,
+    load_security,
+    membership,
+    membership_diff,
+    proof,
 )
 from .wire import WireArray, WireError
 
@@ -1000,6 +1012,7 @@ def _fedml_classes() -> SimpleNamespace:
     from fedml.cross_silo.server.message_define import MyMessage
 
     WATCHDOG = "ssfl_watchdog"
+    MEMBERSHIP, PROOF, REFUSED = "ssfl_membership", "ssfl_proof", "ssfl_refused"
 
     # ---- transports: blocking waits instead of FedML's busy polling ----------------------
     class QuietMpiComm(MpiCommunicationManager):
@@ -1022,13 +1035,81 @@ def _fedml_classes() -> SimpleNamespace:
                 while True:
                     q.get_nowait()
 
-    class QuietGrpcComm(GRPCCommManager):
-        """FedML's GRPC transport with blocking waits, cached channels, wait-for-ready sends, byte counts."""
+    class SealedServicer(grpc_comm_manager_pb2_grpc.gRPCCommManagerServicer):
+        """FedML's GRPC service, opening envelopes (:mod:`.security`) before anything is queued."""
 
-        def __init__(self, *args, meter: WireMeter, connect_timeout: float, **kwargs):
+        def __init__(self, opener: Opener, rank: int):
+            self.opener, self.rank = opener, rank
+            self.message_q: queue.Queue = queue.Queue()
+
+        def sendMessage(self, request, context):
+            try:
+                sender, payload = self.opener.open(request.message)
+            except Refused as exc:
+                log.warning("rank %d dropped a message from %s: %s", self.rank, context.peer(), exc)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"rank {self.rank} dropped the message: {exc}")
+            self.message_q.put((sender, payload, context.peer()))
+            return grpc_comm_manager_pb2.CommResponse()
+
+    class QuietGrpcComm(GRPCCommManager):
+        """FedML's GRPC transport over sealed envelopes (TLS, the job key), with blocking waits, cached
+        channels, wait-for-ready sends and byte counts. Replaces FedML's ``__init__`` (server creation:
+        TLS, no port sharing), ``send_message``, ``message_handling_subroutine`` and ``stop_receive_message``."""
+
+        def __init__(self, *, grpc_ipconfig_path, client_rank, client_num, args, meter: WireMeter, connect_timeout):
             self.meter, self.connect_timeout = meter, connect_timeout
             self._channels: dict[int, Any] = {}
-            super().__init__(*args, **kwargs)
+            self._topic, self._observers = "fedml", []
+            self.grpc_ipconfig_path, self.args = grpc_ipconfig_path, args
+            self.grpc_mappings: dict[int, Any] = {}
+            self.client_rank = self.client_id = client_rank
+            self.client_num = client_num
+            self.node_type = "server" if client_rank == 0 else "client"
+            self._init_grpc_mappings()
+            self.security: JobSecurity = args.ssfl_security
+            limit = wire.max_message_bytes()
+            # up to twice the limit is read and dropped by name; gRPC itself refuses more
+            grpc_limit = min(2 * limit, 2**31 - 1)
+            self.opts = [
+                ("grpc.max_send_message_length", grpc_limit),
+                ("grpc.max_receive_message_length", grpc_limit),
+                ("grpc.enable_http_proxy", 0),
+            ]
+            if self.security.tls is not None and self.security.tls.server_name:
+                self.opts.append(("grpc.ssl_target_name_override", self.security.tls.server_name))
+            peers = {0} if client_rank else set(self.grpc_mappings) - {0}
+            self.sealer = Sealer(self.security, client_rank)
+            self.grpc_servicer = SealedServicer(Opener(self.security, client_rank, peers, limit), client_rank)
+            self.grpc_server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=max(2, client_num)),
+                options=[*self.opts, ("grpc.so_reuseport", 0)],  # a second process cannot share the port
+            )
+            grpc_comm_manager_pb2_grpc.add_gRPCCommManagerServicer_to_server(self.grpc_servicer, self.grpc_server)
+            me = self.grpc_mappings[client_rank]
+            address = f"{me.grpc_server_ip}:{me.grpc_server_port}"
+            tls = self.security.tls
+            try:
+                if tls is None:
+                    self.grpc_server.add_insecure_port(address)
+                else:
+                    creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], tls.ca, require_client_auth=True)
+                    self.grpc_server.add_secure_port(address, creds)
+            except RuntimeError:
+                raise ConfigError(
+                    f"rank {client_rank}: cannot listen on {address} (its port is in use: another process of this "
+                    "job already runs this rank, or another program holds the port); stop it, or give the rank "
+                    "another port in comm_args.grpc_ipconfig_path"
+                ) from None
+            self.grpc_server.start()
+            self.is_running = True
+
+        def channel(self, url: str):
+            """A channel to ``url`` with this job's credentials."""
+            tls = self.security.tls
+            if tls is None:
+                return grpc.insecure_channel(url, options=self.opts)
+            creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+            return grpc.secure_channel(url, creds, options=self.opts)
 
         def _init_grpc_mappings(self):
             """The table :func:`grpc_rank` resolved (ports derived from the run id where the CSV has none)."""
@@ -1045,7 +1126,7 @@ def _fedml_classes() -> SimpleNamespace:
             if receiver not in self._channels:
                 m = self.grpc_mappings[receiver]
                 url = f"{m.ingress_ip or m.grpc_server_ip}:{m.grpc_server_port}"
-                channel = grpc.insecure_channel(url, options=self.opts)
+                channel = self.channel(url)
                 self._channels[receiver] = (channel, grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel))
             return self._channels[receiver][1]
 
@@ -1057,7 +1138,7 @@ def _fedml_classes() -> SimpleNamespace:
             data = self.meter.dumps(msg)
             request = grpc_comm_manager_pb2.CommRequest()
             request.client_id = self.client_id
-            request.message = data
+            request.message = self.sealer.seal(int(msg.get_receiver_id()), data)
             # A status probe to a worker not up yet may fail (the worker announces itself), and a
             # stop notice is best effort; everything else waits for the peer, up to the connect timeout.
             fast = msg.get_type() in (MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, MyMessage.MSG_TYPE_S2C_FINISH)
@@ -1078,11 +1159,12 @@ def _fedml_classes() -> SimpleNamespace:
                     # the run is over: the server may stop while this last notice is in flight
                     log.info("rank %d: the server stopped while it was told this rank finished", self.client_rank)
                     return
-                waited = (
-                    f"within {self.connect_timeout:.0f} s (FEDML_SSFL_CONNECT_TIMEOUT)"
-                    if code == "DEADLINE_EXCEEDED"
-                    else f"({code})"
-                )
+                if code == "DEADLINE_EXCEEDED":
+                    waited = f"within {self.connect_timeout:.0f} s (FEDML_SSFL_CONNECT_TIMEOUT)"
+                elif code == "PERMISSION_DENIED":  # the receiver dropped it: say why (another key, ...)
+                    waited = f"({code}: {exc.details()})"
+                else:
+                    waited = f"({code})"
                 raise DeliveryError(
                     f"rank {self.client_rank} could not deliver a message to rank {receiver} at {address} {waited}",
                     receiver,
@@ -1099,10 +1181,24 @@ def _fedml_classes() -> SimpleNamespace:
                 if isinstance(item, FedMessage):
                     msg = item
                 else:
+                    sender, payload, peer = item
                     try:
-                        msg = self.meter.loads(item)
-                    except WireError as exc:  # nothing was built from the bytes: drop them, say so
-                        log.warning("rank %d dropped a message it could not decode: %s", self.client_rank, exc)
+                        msg = self.meter.loads(payload)
+                        claimed = int(msg.get_sender_id())
+                    except (WireError, AttributeError, TypeError, ValueError) as exc:
+                        # nothing was built from the bytes: drop them, say so
+                        log.warning(
+                            "rank %d dropped a message from %s it could not decode: %s", self.client_rank, peer, exc
+                        )
+                        continue
+                    if claimed != sender:
+                        log.warning(
+                            "rank %d dropped a message from %s: sealed by rank %d, claims rank %d",
+                            self.client_rank,
+                            peer,
+                            sender,
+                            claimed,
+                        )
                         continue
                 for observer in self._observers:
                     observer.receive_message(msg.get_type(), msg)
@@ -1137,7 +1233,7 @@ def _fedml_classes() -> SimpleNamespace:
     def grpc_reachable(comm, rank: int) -> bool:
         """Whether ``rank``'s gRPC port accepts a connection within 2 s (its process is alive)."""
         m = comm.grpc_mappings[rank]
-        channel = grpc.insecure_channel(f"{m.ingress_ip or m.grpc_server_ip}:{m.grpc_server_port}")
+        channel = comm.channel(f"{m.ingress_ip or m.grpc_server_ip}:{m.grpc_server_port}")
         try:
             grpc.channel_ready_future(channel).result(timeout=2.0)
             return True
@@ -1181,6 +1277,9 @@ def _fedml_classes() -> SimpleNamespace:
             self.dead: set[int] = set()
             self.finished: set[int] = set()
             self.probe_failures: dict[int, int] = {}
+            self.refused: dict[int, str] = {}
+            security = getattr(args, "ssfl_security", None)
+            self.job_key = security.key if security is not None else None
             self.t_start = time.monotonic()
             self._stop = threading.Event()
             super().__init__(args, aggregator, comm, 0, size, backend)
@@ -1204,10 +1303,32 @@ def _fedml_classes() -> SimpleNamespace:
         def process_online_status(self, client_status, msg_params):
             if self.is_initialized or self.failing:
                 return  # FedML would send the first round again on a repeated ONLINE
+            sender = int(msg_params.get_sender_id())
+            problem = self.admission(sender, msg_params)
+            if problem:
+                if self.refused.get(sender) != problem:
+                    log.error("rank %d refused: %s", sender, problem)
+                self.refused[sender] = problem
+                refusal = FedMessage(MyMessage.MSG_TYPE_S2C_FINISH, 0, sender)
+                refusal.add_params(REFUSED, problem)
+                with contextlib.suppress(Exception):
+                    self.send_message(refusal)
+                return
+            self.refused.pop(sender, None)
             try:
                 super().process_online_status(client_status, msg_params)
             except Exception as exc:
                 self.fail(exc)
+
+        def admission(self, rank: int, msg_params) -> str:
+            """Why rank ``rank``'s ONLINE handshake is refused ("" if it is admitted)."""
+            theirs = msg_params.get(MEMBERSHIP)
+            if msg_params.get(PROOF) != proof(self.job_key, self.args.ssfl_job, rank, theirs):
+                return "its key proof does not match (another job key)"
+            differ = membership_diff(self.args.ssfl_membership, theirs, rank)
+            if differ:
+                return f"its config differs from the server's in {'; '.join(differ)}: start it with the server's config"
+            return ""
 
         def handle_message_receive_model_from_client(self, msg_params):
             if self.failing:
@@ -1234,6 +1355,10 @@ def _fedml_classes() -> SimpleNamespace:
         def finish(self):
             # FedML calls MPI.Finalize here; leaving it to mpi4py at exit lets one process run
             # several jobs in turn (and a failing run still report before MPI goes away).
+            if self.backend == "MPI" and self.failing and self.dead:
+                # a rank that never answered (stalled: SIGSTOP, a hung update) would hold every
+                # process in MPI_Finalize forever; the failed summary is written, so end the job
+                self.force_stop()
             self.com_manager.stop_receive_message()
 
         # -- faults --
@@ -1305,11 +1430,12 @@ def _fedml_classes() -> SimpleNamespace:
                 if not self.is_initialized:
                     if now - self.t_start > limits.connect:
                         missing = [r for r in self.client_real_ids if not self.client_online_mapping.get(str(r))]
+                        refused = "".join(f"; rank {r} was refused: {why}" for r, why in sorted(self.refused.items()))
                         reported = True
                         self._inject(
                             action="fail",
                             reason=f"ranks {missing} did not come online within {limits.connect:.0f} s "
-                            "(FEDML_SSFL_CONNECT_TIMEOUT)",
+                            f"(FEDML_SSFL_CONNECT_TIMEOUT){refused}",
                             dead=missing,
                         )
                     continue
@@ -1360,6 +1486,7 @@ def _fedml_classes() -> SimpleNamespace:
 
         def __init__(self, args, adapter, meter: WireMeter, limits, comm, rank, size, backend):
             self.meter, self.limits = meter, limits
+            self.refusal = None
             self.last_heard = time.monotonic()
             self._stop = threading.Event()
             super().__init__(args, adapter, comm, rank, size, backend)
@@ -1374,6 +1501,28 @@ def _fedml_classes() -> SimpleNamespace:
         def receive_message(self, msg_type, msg_params) -> None:
             self.last_heard = time.monotonic()
             super().receive_message(msg_type, msg_params)
+
+        def send_client_status(self, receive_id, status=ClientMasterManager.ONLINE_STATUS_FLAG):
+            if status != ClientMasterManager.ONLINE_STATUS_FLAG:
+                super().send_client_status(receive_id, status)
+                return
+            # the handshake: this process's job config, rank and key proof
+            message = FedMessage(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, receive_id)
+            message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, status)
+            message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
+            security = getattr(self.args, "ssfl_security", None)
+            key = security.key if security is not None else None
+            mine = self.args.ssfl_membership
+            message.add_params(MEMBERSHIP, mine)
+            message.add_params(PROOF, proof(key, self.args.ssfl_job, self.rank, mine))
+            self.send_message(message)
+
+        def handle_message_finish(self, msg_params):
+            self.refusal = msg_params.get(REFUSED)
+            if self.refusal:  # not a member of this job: stop without reporting FINISHED
+                self.finish()
+                return
+            super().handle_message_finish(msg_params)
 
         def handle_message_init(self, msg_params):
             if is_finish(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)):
@@ -1546,9 +1695,11 @@ def run_fedml(
     comm, peers, table = None, [], None
     if backend == "MPI":
         rank, comm = mpi_rank(cfg, rank, role)
+        security = None
     else:
         rank, table = grpc_rank(cfg, rank, role)
         peers = [ip for ip, _ in table.values()]
+        security = load_security(cfg, rank)
     is_server = rank == 0
     state = None
     if is_server:
@@ -1565,7 +1716,8 @@ def run_fedml(
 
         meter.message_class = FedMessage
         args = fedml_args(cfg, rank)
-        args.comm, args.ssfl_grpc_table = comm, table
+        args.comm, args.ssfl_grpc_table, args.ssfl_security = comm, table, security
+        args.ssfl_membership, args.ssfl_job = membership(cfg), cfg.common_args.run_id
         with contextlib.redirect_stdout(io.StringIO()):
             args = fedml.init(args, check_env=False, should_init_logs=False)
         if backend == "MPI":
@@ -1632,7 +1784,12 @@ def _run_worker(classes, worker, args, rank: int, meter, limits, comm, workers: 
     trainer = classes.ClientTrainer(model, args, worker)
     adapter = TrainerDistAdapter(args, device, rank, model, sum(counts.values()), counts, silos, silos, trainer)
     manager = classes.ClientManager(args, adapter, meter, limits, comm, rank, workers, backend)
-    manager.run()
+    try:
+        manager.run()
+    except DeliveryError as exc:  # the server is gone, or refused this process's messages
+        raise RunFailed(str(exc)) from None
+    if manager.refusal:
+        raise ConfigError(f"rank {rank}: the server refused this process: {manager.refusal}")
 
 
 def check_server_counts(cfg: ExperimentConfig, exp: Experiment) -> None:

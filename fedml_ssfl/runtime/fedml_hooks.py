@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,6 +63,8 @@ from .fedml_backend import (
 
 DOWN_TYPES = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
 UP_TYPES = (MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER,)
+
+log = logging.getLogger(__name__)
 
 
 class SSFLAggregator(ServerAggregator):
@@ -209,13 +212,15 @@ def init(args=None) -> SimpleNamespace:
 
     Under MPI, FedML's messages then travel through :mod:`~fedml_ssfl.runtime.wire` instead of
     pickle (``MPI.pickle`` is replaced for the process). Under GRPC FedML's stock transport still
-    unpickles what reaches its port: run the stock path over GRPC only on a network you trust, or use
-    ``fedml-ssfl run``, whose GRPC transport uses the codec.
+    unpickles what reaches its port, with no TLS and no job key: the stock path runs over GRPC only
+    with ``comm_args.insecure: true`` (on a network you trust); ``fedml-ssfl run``'s GRPC transport
+    has the codec, TLS and the job key.
 
     Raises
     ------
     ConfigError
-        The config is not a deployment (``comm_args.mode: deployment``) over MPI or GRPC.
+        The config is not a deployment (``comm_args.mode: deployment``) over MPI or GRPC, or asks for
+        GRPC without ``comm_args.insecure: true``.
     """
     with _fedml_offline() as fedml:
         if args is None:
@@ -241,6 +246,13 @@ def init(args=None) -> SimpleNamespace:
 
             MPI.pickle.__init__(*wire.codec(FedMessage))  # FedML's MPI messages through the codec, not pickle
         else:
+            if not cfg.comm_args.insecure:
+                raise ConfigError(
+                    f"{path}: FedML's stock GRPC transport unpickles what reaches its port and has no TLS or job "
+                    "key: run this deployment with `fedml-ssfl run` (TLS, job key, no pickle), or set "
+                    "comm_args.insecure: true to accept that on a network you trust"
+                )
+            log.warning("FedML's stock GRPC transport: plaintext, unauthenticated, and it unpickles what it receives")
             grpc_rank(cfg, int(args.rank), getattr(args, "role", None))
         t, d = cfg.train_args, cfg.device_args
         for key, value in {

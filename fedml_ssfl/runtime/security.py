@@ -1,0 +1,273 @@
+"""Who may speak in a GRPC job: TLS credentials, the job key, sealed messages, and membership.
+
+A GRPC message between ranks travels as a *sealed envelope*::
+
+    SSFLSEAL1 | 4-byte header length | header (JSON) | payload (a wire message) | HMAC-SHA256 tag
+
+The header names the job (``common_args.run_id``), the sender and receiver ranks, the sender's
+session (random per process) and a sequence number. The receiver drops, and logs naming the peer,
+an envelope that is too large, not an envelope, carries a bad tag (forged or tampered: the key is
+the job's shared secret), comes from a rank the job does not have or is meant for another rank or
+job, comes from a second process claiming a rank already heard from (another session), or repeats
+a sequence number (a replay). Only then is the payload decoded (:mod:`~fedml_ssfl.runtime.wire`).
+
+Membership is checked one level up, in the ONLINE handshake: each worker sends :func:`membership`
+(the config keys that make the job what it is) and a key proof; the server refuses a worker whose
+keys differ, naming them (:func:`membership_diff`).
+
+Nothing here imports FedML or gRPC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+KEY_ENV = "FEDML_SSFL_JOB_KEY"
+MAGIC = b"SSFLSEAL1"
+TAG_BYTES = 32
+MAX_HEADER_BYTES = 4096
+REPLAY_WINDOW = 4096  # sequence numbers this far below the highest seen are refused outright
+
+# keys that may differ between the processes of one job: where each keeps its files, its device,
+# its own certificate, what it logs; everything else must match the server's
+LOCAL_KEYS = (
+    "common_args.run_name",
+    "common_args.output_dir",
+    "common_args.compare_with",
+    "data_args.data_cache_dir",
+    "data_args.download",
+    "data_args.local_data",
+    "data_args.server_data",
+    "data_args.server_val_data",
+    "data_args.test_data",
+    "comm_args.grpc_ipconfig_path",
+    "comm_args.tls_ca",
+    "comm_args.tls_cert",
+    "comm_args.tls_key",
+    "comm_args.tls_server_name",
+    "comm_args.job_key_file",
+)
+LOCAL_SECTIONS = ("device_args", "tracking_args")
+
+
+class Refused(Exception):
+    """An envelope was dropped; the text says why (logged with the peer's address)."""
+
+
+@dataclass(frozen=True)
+class Tls:
+    """PEM bytes for mutual TLS."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    server_name: str = ""
+
+
+@dataclass(frozen=True)
+class JobSecurity:
+    """What one process of a GRPC job needs to seal, open and connect."""
+
+    job: str
+    key: bytes | None
+    tls: Tls | None
+
+    @property
+    def insecure(self) -> bool:
+        return self.tls is None
+
+
+def _read(cfg_key: str, path: str, rank: int) -> bytes:
+    p = Path(path.replace("{rank}", str(rank))).expanduser()
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"comm_args.{cfg_key}: cannot read {p} ({exc.strerror or exc}); {_CERT_FIX}") from None
+    if not data.strip():
+        raise ConfigError(f"comm_args.{cfg_key}: {p} is empty; {_CERT_FIX}")
+    return data
+
+
+_CERT_FIX = "make a test CA with deploy/make_test_certs.sh, or point the key at your PEM file"
+
+
+def job_key(cfg: ExperimentConfig) -> bytes | None:
+    """The job's shared key: ``FEDML_SSFL_JOB_KEY`` if set, else ``comm_args.job_key_file``, else None."""
+    text = os.environ.get(KEY_ENV, "").strip()
+    source = KEY_ENV
+    if not text and cfg.comm_args.job_key_file:
+        path = Path(cfg.comm_args.job_key_file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"comm_args.job_key_file: cannot read {path} ({exc}); {_KEY_FIX}") from None
+        source = str(path)
+    if not text:
+        return None
+    if len(text) < 32:
+        raise ConfigError(f"the job key in {source} has {len(text)} characters; use at least 32 ({_KEY_FIX})")
+    return text.encode("utf-8")
+
+
+_KEY_FIX = "make one with `openssl rand -hex 32` (deploy/make_test_certs.sh writes job.key)"
+
+
+def load_security(cfg: ExperimentConfig, rank: int) -> JobSecurity:
+    """TLS files and the job key for ``rank``, checked before anything binds a port.
+
+    Raises
+    ------
+    ConfigError
+        TLS or the key is missing while ``comm_args.insecure`` is false, or a file cannot be read.
+    """
+    c = cfg.comm_args
+    key = job_key(cfg)
+    named = {k: getattr(c, k) for k in ("tls_ca", "tls_cert", "tls_key")}
+    if c.insecure:
+        log.warning(
+            "comm_args.insecure: GRPC runs in plaintext; anyone on the network can read the models%s",
+            "" if key else f", and with no job key ({KEY_ENV}) anyone who reaches a port can send messages",
+        )
+        return JobSecurity(job=cfg.common_args.run_id, key=key, tls=None)
+    missing = [f"comm_args.{k}" for k, v in named.items() if not v]
+    if key is None:
+        missing.append(f"comm_args.job_key_file (or {KEY_ENV})")
+    if missing:
+        raise ConfigError(
+            f"GRPC needs TLS and a job key: {', '.join(missing)} not set; {_CERT_FIX} "
+            "(docs/deploy.md, Security), or set comm_args.insecure: true to run in plaintext on a network you trust"
+        )
+    tls = Tls(*(_read(k, v, rank) for k, v in named.items()), server_name=c.tls_server_name)
+    return JobSecurity(job=cfg.common_args.run_id, key=key, tls=tls)
+
+
+# ---- membership -----------------------------------------------------------------------------
+
+
+def membership(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The dotted config keys every process of one job must share (JSON values)."""
+    out = {}
+    for section, values in cfg.to_dict().items():
+        if section in LOCAL_SECTIONS:
+            continue
+        for key, value in values.items():
+            if f"{section}.{key}" not in LOCAL_KEYS:
+                out[f"{section}.{key}"] = value
+    return out
+
+
+def membership_diff(mine: dict[str, Any], theirs: Any, rank: int) -> list[str]:
+    """The keys on which ``theirs`` (rank ``rank``'s) differs from ``mine``, each with both values."""
+    if not isinstance(theirs, dict):
+        return ["(no config sent: the worker runs another version of fedml_ssfl)"]
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key, "<unset>"), theirs.get(key, "<unset>")
+        if a != b:
+            out.append(f"{key} (server {a!r}, rank {rank} {b!r})")
+    return out
+
+
+def proof(key: bytes | None, job: str, rank: int, config: dict[str, Any]) -> str:
+    """HMAC of (job, rank, membership): shows the sender holds the job key ("" with no key)."""
+    if key is None:
+        return ""
+    text = json.dumps([job, rank, config], sort_keys=True, default=str).encode()
+    return hmac.new(key, b"online|" + text, hashlib.sha256).hexdigest()
+
+
+# ---- envelopes ------------------------------------------------------------------------------
+
+
+class Sealer:
+    """Seals this rank's outgoing messages (thread-safe)."""
+
+    def __init__(self, security: JobSecurity, rank: int) -> None:
+        self.security, self.rank = security, rank
+        self.session = secrets.token_hex(8)
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def seal(self, receiver: int, payload: bytes) -> bytes:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        header = json.dumps(
+            {"job": self.security.job, "from": self.rank, "to": receiver, "session": self.session, "seq": seq},
+            separators=(",", ":"),
+        ).encode()
+        body = b"".join((MAGIC, struct.pack("<I", len(header)), header, payload))
+        if self.security.key is None:
+            return body
+        return body + hmac.new(self.security.key, body, hashlib.sha256).digest()
+
+
+class Opener:
+    """Checks incoming envelopes for rank ``rank`` of a job with ranks ``ranks`` (thread-safe)."""
+
+    def __init__(self, security: JobSecurity, rank: int, ranks: set[int], limit: int) -> None:
+        self.security, self.rank, self.ranks, self.limit = security, rank, set(ranks), limit
+        self.sessions: dict[int, str] = {}
+        self.seen: dict[int, tuple[int, set[int]]] = {}  # sender -> (highest seq, seqs within the window)
+        self._lock = threading.Lock()
+
+    def open(self, data: bytes) -> tuple[int, memoryview]:
+        """The sender's rank and the payload; :class:`Refused` for anything else."""
+        view = memoryview(data)
+        tag = TAG_BYTES if self.security.key is not None else 0
+        if view.nbytes > self.limit:
+            raise Refused(f"oversized: {view.nbytes} bytes, over the limit of {self.limit}")
+        head = len(MAGIC) + 4
+        if view.nbytes < head + tag or bytes(view[: len(MAGIC)]) != MAGIC:
+            raise Refused("not a sealed message (another program, or a peer of another version)")
+        (n,) = struct.unpack("<I", view[len(MAGIC) : head])
+        if n > MAX_HEADER_BYTES or head + n + tag > view.nbytes:
+            raise Refused("malformed envelope header")
+        if tag:
+            body, got = view[: view.nbytes - tag], bytes(view[view.nbytes - tag :])
+            want = hmac.new(self.security.key, body, hashlib.sha256).digest()
+            if not hmac.compare_digest(got, want):
+                raise Refused("bad tag: forged or tampered, or sealed with another job key")
+        try:
+            h = json.loads(bytes(view[head : head + n]))
+            sender, receiver, session, seq, job = (h["from"], h["to"], str(h["session"]), h["seq"], h["job"])
+        except (ValueError, KeyError, TypeError):
+            raise Refused("malformed envelope header") from None
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (sender, receiver, seq)):
+            raise Refused("malformed envelope header")
+        if job != self.security.job:
+            raise Refused(f"from another job (run id {job!r}, this job's is {self.security.job!r})")
+        if sender not in self.ranks or sender == self.rank:
+            raise Refused(f"unknown rank {sender}: this job has ranks {sorted(self.ranks)}")
+        if receiver != self.rank:
+            raise Refused(f"addressed to rank {receiver}, not this rank")
+        self._check_fresh(sender, session, seq)
+        return sender, view[head + n : view.nbytes - tag]
+
+    def _check_fresh(self, sender: int, session: str, seq: int) -> None:
+        with self._lock:
+            pinned = self.sessions.setdefault(sender, session)
+            if pinned != session:
+                raise Refused(f"a second process claims rank {sender} (rank {sender} is already in this job)")
+            highest, window = self.seen.get(sender, (0, set()))
+            if seq <= highest - REPLAY_WINDOW or seq in window:
+                raise Refused(f"replayed: rank {sender}'s message {seq} was already received")
+            window.add(seq)
+            if seq > highest:
+                highest = seq
+                window = {s for s in window if s > highest - REPLAY_WINDOW}
+            self.seen[sender] = (highest, window)
