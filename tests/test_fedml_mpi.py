@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -428,14 +427,12 @@ def test_a_stalled_worker_ends_the_job_in_bounded_time(tmp_path):
     manifest = [{"name": "stalled", "config": str(write(cfg, tmp_path / "stalled.yaml")), "fault": "stop"}]
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     (tmp_path / "launch.py").write_text(LAUNCHER)
-    t0 = time.monotonic()
     proc = mpirun(
         3,
         [sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "manifest.json"), str(tmp_path / "out.json")],
         env=mpi_env(FEDML_SSFL_ROUND_TIMEOUT="10", FEDML_SSFL_FINISH_GRACE="5"),
         timeout=150,  # a job that hangs fails the test here
     )
-    took = time.monotonic() - t0
     assert proc.returncode != 0, proc.stderr[-3000:]
     summary = json.loads((cfg.run_dir() / "summary.json").read_text())
     assert summary["status"] == "failed" and "no reply within 10 s" in summary["error"], summary
