@@ -195,6 +195,35 @@ def test_grpc_client_process_that_dies_is_detected(tmp_path):
     assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
 
 
+STALLING_CLIENT = DYING_CLIENT.replace("os._exit(3)", "os.kill(os.getpid(), signal.SIGSTOP)").replace(
+    "import os, sys", "import os, signal, sys"
+)
+
+
+def test_a_stalled_grpc_client_ends_the_run_in_bounded_time(tmp_path):
+    """A client stopped with SIGSTOP in round 1 (alive, never answering): the server fails the run
+    naming it within the round timeout and exits 1, the checkpoint of round 0 kept."""
+    cfg = grpc_config(tmp_path, 2, "train_args.client_num_in_total=2", "train_args.comm_round=4")
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(STALLING_CLIENT)
+    server, client = start(
+        [sys.executable, str(launcher)],
+        tmp_path / "c.yaml",
+        2,
+        env(FEDML_SSFL_ROUND_TIMEOUT="15", FEDML_SSFL_PROBE_INTERVAL="1", FEDML_SSFL_FINISH_GRACE="5"),
+    )
+    try:
+        ((server_code, _, server_err),) = finish([server], 150)
+    finally:
+        client.kill()
+        client.communicate()
+    assert server_code == 1, server_err[-4000:]
+    summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+    assert summary["status"] == "failed" and "round 1" in summary["error"] and "rank 1 (silo" in summary["error"]
+    assert "error:" in server_err and "rank 1 (silo" in server_err
+    assert load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["round"] == 0
+
+
 def _free_run_id(world: int) -> str:
     """A run id whose derived port block is free on 127.0.0.1 right now."""
     from fedml_ssfl.runtime.fedml_backend import run_port
