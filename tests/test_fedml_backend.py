@@ -299,3 +299,26 @@ def test_importing_the_backend_does_not_import_fedml():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_rank_whose_address_is_not_this_machines_is_refused_naming_the_row():
+    from fedml_ssfl.config import ConfigError
+    from fedml_ssfl.runtime.fedml_backend import check_port_free
+
+    with pytest.raises(ConfigError, match=r"rank 2: this machine has no address 203\.0\.113\.9 .*fix the row"):
+        check_port_free(2, "203.0.113.9", 8892)
+
+
+def test_a_port_something_listens_on_is_refused_before_anything_starts():
+    import socket
+
+    from fedml_ssfl.config import ConfigError
+    from fedml_ssfl.runtime.fedml_backend import check_port_free
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"rank 1: cannot listen on 127\.0\.0\.1:{port} \(its port is in use"):
+            check_port_free(1, "127.0.0.1", port)
+    check_port_free(1, "127.0.0.1", port)  # free again

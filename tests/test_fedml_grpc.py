@@ -482,9 +482,38 @@ def test_a_second_server_or_a_duplicate_rank_cannot_join_and_exits(tmp_path):
             ((code, _, err),) = finish([launch(rank)], 120)
             assert code == 2, err[-3000:]
             assert f"cannot listen on 127.0.0.1:{ports[rank]}" in err and "Traceback" not in err, err[-3000:]
+        assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dup"]  # the second server claimed nothing
         procs.append(launch(2))
     finally:
         results = finish(procs, TIMEOUT)
     for rank, (code, stdout, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
     assert json.loads((cfg.run_dir() / "summary.json").read_text())["status"] == "completed"
+
+
+def test_the_transport_binds_without_port_sharing(tmp_path):
+    """The server socket has SO_REUSEPORT off: no other socket can share its port, even one that asks to."""
+    from types import SimpleNamespace
+
+    from fedml_ssfl.config import ConfigError
+    from fedml_ssfl.runtime.fedml_backend import WireMeter, _fedml_classes
+    from fedml_ssfl.runtime.security import JobSecurity
+
+    (port,) = free_ports(1)
+    args = SimpleNamespace(ssfl_grpc_table={0: ("127.0.0.1", port)}, ssfl_security=JobSecurity("", None, None))
+
+    def comm():
+        return _fedml_classes().GrpcComm(
+            grpc_ipconfig_path="", client_rank=0, client_num=1, args=args, meter=WireMeter(), connect_timeout=5
+        )
+
+    first = comm()
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError):
+                s.bind(("127.0.0.1", port))
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            comm()
+    finally:
+        first.stop_receive_message()

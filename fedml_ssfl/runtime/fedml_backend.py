@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import errno
 import functools
 import io
 import logging
@@ -67,6 +68,7 @@ import os
 import platform
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -903,6 +905,36 @@ def mpi_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tuple
     return me, comm
 
 
+def port_in_use(rank: int, address: str) -> ConfigError:
+    return ConfigError(
+        f"rank {rank}: cannot listen on {address} (its port is in use: another process of this job already "
+        "runs this rank, or another program holds the port); stop it, or give the rank another port in "
+        "comm_args.grpc_ipconfig_path"
+    )
+
+
+def check_port_free(rank: int, ip: str, port: int) -> None:
+    """Refuse early (before a run folder is claimed) when something already listens on this rank's port.
+
+    The bind in the transport stays the authority; this only spares a duplicate process its setup.
+    """
+    with contextlib.suppress(OSError):
+        family = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no conflict
+            try:
+                s.bind((ip, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise port_in_use(rank, f"{ip}:{port}") from None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(
+                        f"rank {rank}: this machine has no address {ip} (rank {rank}'s row in "
+                        "comm_args.grpc_ipconfig_path): start this rank on the machine with that address, "
+                        "or fix the row"
+                    ) from None
+
+
 def grpc_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tuple[int, dict[int, tuple[str, int]]]:
     """This process's GRPC rank, checked against --role and the ipconfig (C_k + 1 rows)."""
     world = world_size(cfg)
@@ -1095,11 +1127,7 @@ def _fedml_classes() -> SimpleNamespace:
                     creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], tls.ca, require_client_auth=True)
                     self.grpc_server.add_secure_port(address, creds)
             except RuntimeError:
-                raise ConfigError(
-                    f"rank {client_rank}: cannot listen on {address} (its port is in use: another process of this "
-                    "job already runs this rank, or another program holds the port); stop it, or give the rank "
-                    "another port in comm_args.grpc_ipconfig_path"
-                ) from None
+                raise port_in_use(client_rank, address) from None
             self.grpc_server.start()
             self.is_running = True
 
@@ -1571,6 +1599,7 @@ def _fedml_classes() -> SimpleNamespace:
         ServerManager=SSFLServerManager,
         ClientTrainer=SSFLTrainer,
         ClientManager=SSFLClientManager,
+        GrpcComm=QuietGrpcComm,
     )
 
 
@@ -1700,6 +1729,7 @@ def run_fedml(
         rank, table = grpc_rank(cfg, rank, role)
         peers = [ip for ip, _ in table.values()]
         security = load_security(cfg, rank)
+        check_port_free(rank, *table[rank])
     is_server = rank == 0
     state = None
     if is_server:
