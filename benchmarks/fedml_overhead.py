@@ -172,7 +172,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "Payload bytes are `message_nbytes` of every message both ways (the local runtime counts the same "
         "numbers); wire bytes are the FedML messages MPI carried, encoded by fedml_ssfl's codec "
-        "(runtime/wire.py: tensors as raw bytes).",
+        "(runtime/fedml/wire.py: tensors as raw bytes).",
         "",
     ]
     return "\n".join(lines)

@@ -7,7 +7,7 @@ python deploy/fedml_runner.py --cf deployment.yaml --rank 0 --role server   # GR
 import fedml
 from fedml import FedMLRunner
 
-from fedml_ssfl.runtime import fedml_hooks as ssfl
+from fedml_ssfl.runtime.fedml import hooks as ssfl
 
 if __name__ == "__main__":
     args = ssfl.init()  # fedml.init() without its call to FedML's cloud; reads --cf, --rank, --role

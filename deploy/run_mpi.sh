@@ -57,7 +57,7 @@ fi
 NP=$("$PYTHON" - "$CONFIG" "${SETS[@]}" <<'PY'
 import sys
 from fedml_ssfl.config import ConfigError, load_config
-from fedml_ssfl.runtime.fedml_backend import gpu_for_rank, world_size
+from fedml_ssfl.runtime.fedml.launch import gpu_for_rank, world_size
 try:
     cfg = load_config(sys.argv[1], ["%s" % s for s in sys.argv[2:]])
     if cfg.comm_args.backend != "MPI" or cfg.common_args.training_type != "cross_silo":

@@ -160,7 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after {args.stop_after}: give a number of rounds >= 1")
     if cfg.comm_args.backend != "local":
-        from .runtime.fedml_backend import run_fedml
+        from .runtime.fedml.run import run_fedml
 
         result = run_fedml(
             cfg, rank=args.rank, role=args.role, run_dir=run_dir, resume=resume, stop_after=args.stop_after
@@ -224,7 +224,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     print(f"heat-map: {out}")
     if args.export:
         from .experiment import export_deployment
-        from .runtime.fedml_backend import np_hint
+        from .runtime.fedml.launch import np_hint
 
         path = export_deployment(cfg, args.export, backend=args.backend)
         print(f"deployment files and config: {path}")

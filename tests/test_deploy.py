@@ -16,7 +16,7 @@ import yaml
 
 from fedml_ssfl.config import load_config
 from fedml_ssfl.runtime import offline
-from fedml_ssfl.runtime.fedml_backend import gpu_for_rank, read_ipconfig, world_size
+from fedml_ssfl.runtime.fedml.launch import gpu_for_rank, read_ipconfig, world_size
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

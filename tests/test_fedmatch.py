@@ -24,7 +24,7 @@ from fedml_ssfl.algorithms.fedmatch import FedMatch, FedMatchConfig, phi, psi_pu
 from fedml_ssfl.config import ConfigError, validate
 from fedml_ssfl.helper_selection import nearest_helpers
 from fedml_ssfl.models import build_model
-from fedml_ssfl.runtime.fedml_backend import check_reply
+from fedml_ssfl.runtime.fedml.payloads import check_reply
 from fedml_ssfl.runtime.local import run_local
 from fedml_ssfl.sparse import densify, nbytes
 from fedml_ssfl.ssl import agreement_pseudo_labels
@@ -423,7 +423,7 @@ def test_nan_loss_stops_the_client() -> None:
 
 def test_client_update_is_pure_and_survives_the_fedml_wire() -> None:
     # a FedML worker never runs setup() and gets messages pickled (dense tensors as NumPy)
-    from fedml_ssfl.runtime.fedml_backend import decode, encode
+    from fedml_ssfl.runtime.fedml.payloads import decode, encode
 
     algo, images, labels = _world("client", helper_interval=1)
     data = _client(images, labels, 0, labeled=range(0, 12), unlabeled=range(12, 40))

@@ -1,7 +1,7 @@
 """The FedML runtime's pieces, in one process: protocol, per-silo state, checks, offline guard.
 
-The server and worker halves of :mod:`fedml_ssfl.runtime.fedml_backend` contain no FedML; here
-they talk through the wire codec exactly as over MPI/GRPC (:mod:`fedml_ssfl.runtime.wire`), so the round logic,
+The server and worker halves of :mod:`fedml_ssfl.runtime.fedml` contain no FedML; here
+they talk through the wire codec exactly as over MPI/GRPC (:mod:`fedml_ssfl.runtime.fedml.wire`), so the round logic,
 per-silo state routing and fault handling are checked fast, without launching processes.
 """
 
@@ -20,19 +20,12 @@ from fedml_ssfl.checkpoint import load_checkpoint
 from fedml_ssfl.config import ConfigError
 from fedml_ssfl.experiment import build_experiment
 from fedml_ssfl.runtime import offline
-from fedml_ssfl.runtime import wire as codec
 from fedml_ssfl.runtime.common import RunFailed
-from fedml_ssfl.runtime.fedml_backend import (
-    ClientWorker,
-    ServerRuntime,
-    assign_silos,
-    check_reply,
-    decode,
-    encode,
-    gpu_for_rank,
-    grpc_rank,
-    read_ipconfig,
-)
+from fedml_ssfl.runtime.fedml import wire as codec
+from fedml_ssfl.runtime.fedml.launch import gpu_for_rank, grpc_rank, read_ipconfig
+from fedml_ssfl.runtime.fedml.payloads import check_reply, decode, encode
+from fedml_ssfl.runtime.fedml.server import ServerRuntime, assign_silos
+from fedml_ssfl.runtime.fedml.worker import ClientWorker
 from fedml_ssfl.runtime.local import run_local
 
 
@@ -238,7 +231,7 @@ def test_grpc_rank_role_and_ipconfig_errors(small_config, tmp_path):
 
 
 def test_grpc_rank_and_ports_from_the_launch_platform(small_config, tmp_path, monkeypatch):
-    from fedml_ssfl.runtime.fedml_backend import GRPC_BASE_PORT, run_port
+    from fedml_ssfl.runtime.fedml.launch import GRPC_BASE_PORT, run_port
 
     ip = tmp_path / "ip.csv"
     ip.write_text("eid,rank,grpc_server_ip\n0,0,10.0.0.1\n1,1,10.0.0.2\n2,2,10.0.0.3\n")
@@ -294,7 +287,7 @@ def test_offline_guard_refuses_and_records_outside_connections(tmp_path, monkeyp
 
 def test_importing_the_backend_does_not_import_fedml():
     code = (
-        "import sys, fedml_ssfl.runtime.fedml_backend, fedml_ssfl.runtime.offline;"
+        "import sys, fedml_ssfl.runtime.fedml.run, fedml_ssfl.runtime.offline;"
         "bad=[m for m in ('fedml','mpi4py','grpc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -303,7 +296,7 @@ def test_importing_the_backend_does_not_import_fedml():
 
 def test_a_rank_whose_address_is_not_this_machines_is_refused_naming_the_row():
     from fedml_ssfl.config import ConfigError
-    from fedml_ssfl.runtime.fedml_backend import check_port_free
+    from fedml_ssfl.runtime.fedml.launch import check_port_free
 
     with pytest.raises(ConfigError, match=r"rank 2: this machine has no address 203\.0\.113\.9 .*fix the row"):
         check_port_free(2, "203.0.113.9", 8892)
@@ -313,7 +306,7 @@ def test_a_port_something_listens_on_is_refused_before_anything_starts():
     import socket
 
     from fedml_ssfl.config import ConfigError
-    from fedml_ssfl.runtime.fedml_backend import check_port_free
+    from fedml_ssfl.runtime.fedml.launch import check_port_free
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

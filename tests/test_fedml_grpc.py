@@ -226,7 +226,7 @@ def test_a_stalled_grpc_client_ends_the_run_in_bounded_time(tmp_path):
 
 def _free_run_id(world: int) -> str:
     """A run id whose derived port block is free on 127.0.0.1 right now."""
-    from fedml_ssfl.runtime.fedml_backend import run_port
+    from fedml_ssfl.runtime.fedml.launch import run_port
 
     for n in range(100):
         run_id = f"launch-{os.getpid()}-{n}"
@@ -344,21 +344,23 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
     """A pickle that would write a file, bytes that are no message, a forged, a tampered, an unknown-rank,
     an oversized and a replayed message, sent to the server's and a client's port while a run is in
     progress: nothing executes, each is dropped and logged naming the peer, the run completes."""
-    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
-    from fedml_ssfl.runtime.security import JobSecurity, Sealer
+    from fedml_ssfl.runtime.fedml.launch import read_ipconfig
+    from fedml_ssfl.runtime.fedml.security import JobSecurity, Sealer
 
     cfg = grpc_config(tmp_path, 3, "train_args.comm_round=6", "common_args.run_name=attacked")
     ports = [p for _, p in read_ipconfig(tmp_path / "ipconfig.csv").values()]
     environ = env(FEDML_SSFL_MAX_MESSAGE_BYTES=str(2 * 2**20))
     launcher = tmp_path / "replay.py"
     launcher.write_text(REPLAYING_CLIENT)
-    procs = []
-    for rank in range(3):
+
+    def launch(rank: int) -> subprocess.Popen:
         prefix = [sys.executable, str(launcher)] if rank == 1 else [str(CLI)]
         role = "server" if rank == 0 else "client"
         tail = [f"127.0.0.1:{ports[0]}"] if rank == 1 else []
         cmd = [*prefix, "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role, *tail]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ))
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
+
+    procs = [launch(0), launch(1)]  # rank 2 starts after the attacks: the job waits for it meanwhile
     marker = tmp_path / "pwned"
     key = (tmp_path / "job.key").read_text().encode()
     stranger = Sealer(JobSecurity(job="", key=b"x" * 64, tls=None), 1)
@@ -379,6 +381,7 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
         for name, payload in attacks.items():
             answers[port, name] = send_raw(port, payload)
     huge = send_raw(ports[0], b"\x00" * (5 * 2**20))
+    procs.append(launch(2))
     results = finish(procs, TIMEOUT)
     for rank, (code, stdout, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
@@ -405,11 +408,17 @@ def test_tls_refuses_a_peer_without_a_certificate_of_the_jobs_ca(tmp_path):
     import grpc
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
 
-    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
+    from fedml_ssfl.runtime.fedml.launch import read_ipconfig
 
     cfg = grpc_config(tmp_path, 2, "train_args.client_num_in_total=2", "train_args.comm_round=2", tls=True)
     port = read_ipconfig(tmp_path / "ipconfig.csv")[0][1]
-    procs = start([str(CLI)], tmp_path / "c.yaml", 2, env())
+
+    def launch(rank: int) -> subprocess.Popen:
+        role = "server" if rank == 0 else "client"
+        cmd = [str(CLI), "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+
+    procs = [launch(0)]  # the client starts after the attempts: the server waits for it meanwhile
     wait_for_port(port)
     assert send_raw(port, b"hello") == "UNAVAILABLE"
     other = tmp_path / "other"
@@ -422,6 +431,8 @@ def test_tls_refuses_a_peer_without_a_certificate_of_the_jobs_ca(tmp_path):
         with pytest.raises(grpc.RpcError) as refused:
             stub.sendMessage(grpc_comm_manager_pb2.CommRequest(client_id=0, message=b"hello"), timeout=20)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert procs[0].poll() is None  # the server was up all along: the refusals were TLS's
+    procs.append(launch(1))
     for rank, (code, stdout, stderr) in enumerate(finish(procs, TIMEOUT)):
         assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
     assert json.loads((cfg.run_dir() / "summary.json").read_text())["status"] == "completed"
@@ -464,7 +475,7 @@ def test_strangers_are_refused_naming_what_differs(tmp_path):
 def test_a_second_server_or_a_duplicate_rank_cannot_join_and_exits(tmp_path):
     """No port sharing: while the job waits for rank 2, a second server and a second rank 1 exit at once
     naming the port; then rank 2 starts and the job completes with its own processes."""
-    from fedml_ssfl.runtime.fedml_backend import read_ipconfig
+    from fedml_ssfl.runtime.fedml.launch import read_ipconfig
 
     cfg = grpc_config(tmp_path, 3, "train_args.comm_round=2", "common_args.run_name=dup")
     ports = [p for _, p in read_ipconfig(tmp_path / "ipconfig.csv").values()]
@@ -496,14 +507,15 @@ def test_the_transport_binds_without_port_sharing(tmp_path):
     from types import SimpleNamespace
 
     from fedml_ssfl.config import ConfigError
-    from fedml_ssfl.runtime.fedml_backend import WireMeter, _fedml_classes
-    from fedml_ssfl.runtime.security import JobSecurity
+    from fedml_ssfl.runtime.fedml.security import JobSecurity
+    from fedml_ssfl.runtime.fedml.transports import QuietGrpcComm
+    from fedml_ssfl.runtime.fedml.wire import WireMeter
 
     (port,) = free_ports(1)
     args = SimpleNamespace(ssfl_grpc_table={0: ("127.0.0.1", port)}, ssfl_security=JobSecurity("", None, None))
 
     def comm():
-        return _fedml_classes().GrpcComm(
+        return QuietGrpcComm(
             grpc_ipconfig_path="", client_rank=0, client_num=1, args=args, meter=WireMeter(), connect_timeout=5
         )
 

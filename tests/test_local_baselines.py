@@ -13,7 +13,9 @@ from fedml_ssfl.algorithms.base import ClientContext, message_nbytes
 from fedml_ssfl.checkpoint import load_checkpoint
 from fedml_ssfl.config import ConfigError
 from fedml_ssfl.experiment import build_experiment
-from fedml_ssfl.runtime.fedml_backend import ClientWorker, ServerRuntime, decode, encode
+from fedml_ssfl.runtime.fedml.payloads import decode, encode
+from fedml_ssfl.runtime.fedml.server import ServerRuntime
+from fedml_ssfl.runtime.fedml.worker import ClientWorker
 from fedml_ssfl.runtime.local import run_local
 from fedml_ssfl.sampling import sample_clients
 

@@ -1,4 +1,4 @@
-"""Sealed envelopes, the job key, TLS settings and membership (fedml_ssfl.runtime.security), without
+"""Sealed envelopes, the job key, TLS settings and membership (fedml_ssfl.runtime.fedml.security), without
 processes; the GRPC tests run the same checks between real processes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fedml_ssfl.config import ConfigError, load_config
-from fedml_ssfl.runtime.security import (
+from fedml_ssfl.runtime.fedml.security import (
     KEY_ENV,
     JobSecurity,
     Opener,

@@ -149,7 +149,7 @@ def test_streaming_resume_ends_with_the_uninterrupted_model(small_config, tmp_pa
 
 
 def test_fedml_worker_sees_the_same_released_stages(small_config, monkeypatch) -> None:
-    from fedml_ssfl.runtime.fedml_backend import ClientWorker
+    from fedml_ssfl.runtime.fedml.worker import ClientWorker
 
     cfg = small_config(*STREAM)
     exp = build_experiment(cfg)

@@ -14,8 +14,8 @@ import torch
 
 from fedml_ssfl.algorithms.base import Message
 from fedml_ssfl.data.silos import SiloMeta
-from fedml_ssfl.runtime import wire
-from fedml_ssfl.runtime.wire import WireArray, WireError
+from fedml_ssfl.runtime.fedml import wire
+from fedml_ssfl.runtime.fedml.wire import WireArray, WireError
 
 
 class _Pwned:

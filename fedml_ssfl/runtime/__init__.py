@@ -1,1 +1,1 @@
-"""Runtimes drive algorithms: ``local`` (in-process simulator) and ``fedml_backend`` (FedML)."""
+"""Runtimes drive algorithms: ``local`` (the in-process simulator) and ``fedml`` (FedML, over MPI or GRPC)."""

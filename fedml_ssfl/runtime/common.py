@@ -1,6 +1,6 @@
 """What both runtimes share: a round's server halves, evaluation, logging, checkpoints, summary.
 
-The local simulator (:mod:`.local`) and the FedML runtime (:mod:`.fedml_backend`) drive a round
+The local simulator (:mod:`.local`) and the FedML runtime (:mod:`.fedml`) drive a round
 the same way:
 
 1. :func:`start_round` -- the seeded sampler picks the C_k clients, the server takes its own

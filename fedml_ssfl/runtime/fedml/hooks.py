@@ -3,16 +3,16 @@
 FedML's cross-silo examples build a trainer and an aggregator and hand them to ``FedMLRunner``
 with FedML's stock managers; ``deploy/fedml_runner.py`` does exactly that with these classes::
 
-    args = fedml_hooks.init()                  # fedml.init() without its call to FedML's cloud
+    args = hooks.init()                        # fedml.init() without its call to FedML's cloud
     device = fedml.device.get_device(args)
-    dataset, model = fedml_hooks.load_data(args), fedml_hooks.create_model(args)
+    dataset, model = hooks.load_data(args), hooks.create_model(args)
     trainer, aggregator = SSFLTrainer(model, args), SSFLAggregator(model, args)
     FedMLRunner(args, device, dataset, model, trainer, aggregator).run()
 
 The payloads are fedml_ssfl's: the aggregator runs any registered algorithm's server side
-(:class:`~fedml_ssfl.runtime.fedml_backend.DeployedServerRuntime`) and sends each rank the
+(:class:`~fedml_ssfl.runtime.fedml.server.DeployedServerRuntime`) and sends each rank the
 payload of its own silo; the trainer is one silo
-(:class:`~fedml_ssfl.runtime.fedml_backend.SiloWorker`): it reads only its own file
+(:class:`~fedml_ssfl.runtime.fedml.worker.SiloWorker`): it reads only its own file
 (``data_args.local_data``) once the server's metadata arrives, and keeps its client state.
 ``fedml-ssfl run`` drives the same two classes with FedML's managers subclassed for fault
 handling; use it for what the stock path lacks (see docs/deploy.md): round and connection
@@ -42,24 +42,15 @@ import torch
 from fedml.core import ClientTrainer, ServerAggregator
 from fedml.cross_silo.server.message_define import MyMessage
 
-from ..config import ConfigError, ExperimentConfig, load_config
-from ..experiment import build_experiment, deployed
+from ...config import ConfigError, ExperimentConfig, load_config
+from ...experiment import build_experiment, deployed
+from ..common import RunResult, fresh_run_dir
 from . import wire
-from .common import RunResult, fresh_run_dir
-from .fedml_backend import (
-    DeployedServerRuntime,
-    ServerRuntime,
-    SiloWorker,
-    WireMeter,
-    _fedml_offline,
-    _with_device,
-    check_server_counts,
-    decode,
-    encode,
-    grpc_rank,
-    mpi_rank,
-    worker_count,
-)
+from .launch import _fedml_offline, _with_device, check_server_counts, grpc_rank, mpi_rank, worker_count
+from .payloads import decode, encode
+from .server import DeployedServerRuntime, ServerRuntime
+from .wire import WireMeter
+from .worker import SiloWorker
 
 DOWN_TYPES = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
 UP_TYPES = (MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER,)
@@ -188,7 +179,9 @@ def config_of(args) -> ExperimentConfig:
     """The fedml_ssfl config :func:`init` put on FedML's args (an error naming the fix otherwise)."""
     cfg = getattr(args, "ssfl_config", None)
     if cfg is None:
-        raise ConfigError("FedML's args carry no fedml_ssfl config: make them with fedml_hooks.init()")
+        raise ConfigError(
+            "FedML's args carry no fedml_ssfl config: make them with fedml_ssfl.runtime.fedml.hooks.init()"
+        )
     return cfg
 
 

@@ -12,7 +12,7 @@ Only these nodes exist, so decoding can build nothing else:
 * ``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": {str: node}}`` dict with string keys,
   ``{"p": [[key node, value node], ...]}`` dict with other keys, ``{"o": [...]}`` OrderedDict;
 * ``{"a": [dtype, shape, buffer]}`` NumPy array (``"w": 1`` marks the transport's
-  :class:`~fedml_ssfl.runtime.fedml_backend.WireArray`), ``{"T": [dtype, shape, buffer]}`` dense
+  :class:`WireArray`), ``{"T": [dtype, shape, buffer]}`` dense
   tensor (bfloat16 and the NumPy dtypes), ``{"S": [indices, values, size]}`` sparse COO tensor,
   ``{"B": buffer}`` bytes;
 * ``{"M": {...}}`` :class:`~fedml_ssfl.algorithms.base.Message`, ``{"K": {...}}``
@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..algorithms.base import Message
-from ..data.silos import SiloMeta
+from ...algorithms.base import Message
+from ...data.silos import SiloMeta
 
 MAGIC = b"SSFLWIRE1"
 MAX_DEPTH = 64
@@ -70,7 +71,7 @@ class WireError(ValueError):
 
 
 class WireArray:
-    """A dense tensor on the wire as a NumPy array; ``fedml_backend.decode`` turns it back."""
+    """A dense tensor on the wire as a NumPy array; ``payloads.decode`` turns it back."""
 
     __slots__ = ("array",)
 
@@ -319,3 +320,43 @@ def codec(fedml_message_class: type | None = None) -> tuple[Callable[[Any], byte
 
 
 __all__ = ["WireArray", "WireError", "codec", "dumps", "loads", "max_message_bytes"]
+
+
+class WireMeter:
+    """Serialized bytes actually sent / received, by FedML message type (thread-safe)."""
+
+    def __init__(self, message_class: type | None = None) -> None:
+        self.lock = threading.Lock()
+        self.sent: dict[Any, int] = {}
+        self.recv: dict[Any, int] = {}
+        self.message_class = message_class  # FedML's transport message (set when FedML is imported)
+
+    @staticmethod
+    def _type(obj: Any) -> Any:
+        get = getattr(obj, "get_type", None)
+        try:
+            return get() if callable(get) else None
+        except Exception:
+            return None
+
+    def count(self, table: dict, obj: Any, n: int) -> None:
+        t = self._type(obj)
+        with self.lock:
+            table[t] = table.get(t, 0) + n
+
+    def total(self, table: dict, types: tuple) -> int:
+        with self.lock:
+            return sum(table.get(t, 0) for t in types)
+
+    def dumps(self, obj: Any) -> bytes:
+        """Encode with :mod:`~fedml_ssfl.runtime.wire` (no pickle), counting the bytes."""
+        data = dumps(obj, self.message_class)
+        self.count(self.sent, obj, len(data))
+        return data
+
+    def loads(self, buf: Any) -> Any:
+        """Decode with :mod:`~fedml_ssfl.runtime.wire`; :class:`~fedml_ssfl.runtime.wire.WireError` for
+        bytes that are not a well-formed message (nothing is built from them)."""
+        obj = loads(buf, self.message_class)
+        self.count(self.recv, obj, memoryview(buf).nbytes)
+        return obj

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, ExperimentConfig
+from ...config import ConfigError, ExperimentConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,200 @@
+"""``run_fedml``: this process's part of a FedML cross-silo job (server on rank 0, a worker elsewhere)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import signal
+from pathlib import Path
+
+import torch
+
+from ...checkpoint import load_checkpoint
+from ...config import ConfigError, ExperimentConfig
+from ...data import ImageDataset
+from ...experiment import build_experiment, deployed
+from .. import offline
+from ..common import (
+    CHECKPOINT_NAME,
+    RunFailed,
+    RunResult,
+    fresh_run_dir,
+)
+from .launch import (
+    _fedml_offline,
+    _with_device,
+    check_backend,
+    check_port_free,
+    check_server_counts,
+    fedml_args,
+    grpc_rank,
+    mpi_rank,
+    timeouts,
+    worker_count,
+)
+from .security import (
+    load_security,
+    membership,
+)
+from .server import DeployedServerRuntime, ServerRuntime
+from .wire import WireMeter
+from .worker import ClientWorker, SiloWorker
+
+log = logging.getLogger(__name__)
+
+
+def run_fedml(
+    cfg: ExperimentConfig,
+    rank: int | None = None,
+    role: str | None = None,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    dataset: ImageDataset | None = None,
+    stop_after: int | None = None,
+) -> RunResult | None:
+    """Run this process's part of a FedML cross-silo job (server on rank 0, a worker elsewhere).
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        A validated config with ``comm_args.backend`` MPI or GRPC and ``training_type: cross_silo``.
+    rank, role : optional
+        GRPC: this process's rank (0 = server) and role; MPI takes the rank from ``mpirun``.
+    run_dir, resume, dataset, stop_after
+        As in :func:`~fedml_ssfl.runtime.local.run_local` (used by the server).
+
+    Returns
+    -------
+    RunResult or None
+        The result on the server; None on workers.
+
+    Raises
+    ------
+    ConfigError
+        Wrong process count (naming the right ``-np``), missing/mismatched GRPC rank or ipconfig,
+        bad GPU mapping -- before anything starts.
+    RunFailed
+        A worker failed or died, or a round timed out (names rank and silo; checkpoints intact).
+    """
+    check_backend(cfg)
+    backend = cfg.comm_args.backend
+    limits = timeouts()
+    comm, peers, table = None, [], None
+    if backend == "MPI":
+        rank, comm = mpi_rank(cfg, rank, role)
+        security = None
+    else:
+        rank, table = grpc_rank(cfg, rank, role)
+        peers = [ip for ip, _ in table.values()]
+        security = load_security(cfg, rank)
+        check_port_free(rank, *table[rank])
+    is_server = rank == 0
+    state = None
+    if is_server:
+        base = Path(run_dir) if run_dir is not None else cfg.run_dir()
+        run_dir = base if resume else fresh_run_dir(base)
+        ckpt = run_dir / "checkpoints" / CHECKPOINT_NAME
+        state = load_checkpoint(ckpt, cfg.fingerprint(), cfg.to_dict()) if resume else None
+    dev_cfg = _with_device(cfg, rank)
+    guarded = not offline.installed() and offline.install(peers)  # uninstalled below only if ours
+    meter = WireMeter()
+    mpi_pickle = None
+    with _fedml_offline() as fedml:
+        from fedml.core.distributed.communication.message import Message as FedMessage
+
+        meter.message_class = FedMessage
+        args = fedml_args(cfg, rank)
+        args.comm, args.ssfl_grpc_table, args.ssfl_security = comm, table, security
+        args.ssfl_membership, args.ssfl_job = membership(cfg), cfg.common_args.run_id
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = fedml.init(args, check_env=False, should_init_logs=False)
+        if backend == "MPI":
+            from mpi4py import MPI
+
+            mpi_pickle = MPI.pickle
+            MPI.pickle.__init__(meter.dumps, meter.loads)
+        from . import managers  # FedML's classes: imported only now, offline
+        from .hooks import SSFLAggregator
+
+        workers = worker_count(cfg)
+        try:
+            if not is_server:
+                worker = (
+                    SiloWorker(dev_cfg, rank)
+                    if deployed(cfg)
+                    else ClientWorker(build_experiment(dev_cfg, dataset), rank)
+                )
+                _run_worker(worker, args, rank, meter, limits, comm, workers, backend)
+                return None
+            exp = build_experiment(dev_cfg, dataset)
+            if deployed(cfg):
+                check_server_counts(cfg, exp)
+            exp.algorithm.setup()
+            runtime_class = DeployedServerRuntime if deployed(cfg) else ServerRuntime
+            runtime = runtime_class(cfg, exp, Path(run_dir), state, workers, stop_after, backend)
+            server_agg = SSFLAggregator(exp.algorithm.global_model(), args, runtime, meter)
+            silo_agg = managers.SSFLSiloAggregator(server_agg, args, workers, exp.device)
+            manager = managers.SSFLServerManager(args, silo_agg, runtime, meter, limits, comm, workers, backend)
+            previous = _install_terminate_handler(manager.on_terminate)
+            try:
+                if runtime.done:
+                    log.info("nothing to run: %s already completed round %d", run_dir, runtime.round - 1)
+                manager.run()
+            finally:
+                _restore_terminate_handler(previous)
+            if runtime.failure is not None:
+                raise runtime.failure
+            if not runtime.done:
+                raise runtime.fail(f"the FedML server stopped in round {runtime.round} before the run ended")
+            return runtime.result()
+        finally:
+            if mpi_pickle is not None:
+                with contextlib.suppress(Exception):
+                    mpi_pickle.__init__()
+            if guarded:
+                offline.uninstall()
+
+
+def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, backend: str) -> None:
+    """A worker process: FedML's client manager around ``worker`` (a :class:`ClientWorker` or :class:`SiloWorker`).
+
+    FedML wants a data dict entry for every silo index the server may name; the trainer ignores them
+    (the payload names the silo). A deployed silo's model is built when the server's metadata arrives.
+    """
+    from fedml.cross_silo.client.fedml_trainer_dist_adapter import TrainerDistAdapter
+
+    from . import managers
+    from .hooks import SSFLTrainer
+    from .transports import DeliveryError
+
+    if isinstance(worker, SiloWorker):
+        silos, counts, model, device = {worker.silo: worker.silo}, {worker.silo: 0}, torch.nn.Identity(), "cpu"
+    else:
+        exp = worker.exp
+        K = exp.config.train_args.client_num_in_total
+        silos = {k: k for k in range(K)}
+        counts = {k: int(exp.split.client_unlabeled[k].numel()) for k in range(K)}
+        model, device = exp.algorithm.model_fn(), exp.device
+    trainer = SSFLTrainer(model, args, worker)
+    adapter = TrainerDistAdapter(args, device, rank, model, sum(counts.values()), counts, silos, silos, trainer)
+    manager = managers.SSFLClientManager(args, adapter, meter, limits, comm, rank, workers, backend)
+    try:
+        manager.run()
+    except DeliveryError as exc:  # the server is gone, or refused this process's messages
+        raise RunFailed(str(exc)) from None
+    if manager.refusal:
+        raise ConfigError(f"rank {rank}: the server refused this process: {manager.refusal}")
+
+
+def _install_terminate_handler(handler):
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
+def _restore_terminate_handler(previous) -> None:
+    if previous is not None:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, previous)

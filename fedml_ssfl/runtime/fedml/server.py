@@ -1,0 +1,371 @@
+"""The server half of a FedML job (no FedML in here): plan, begin and finish rounds, record them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ...algorithms.base import Message, message_nbytes
+from ...config import ExperimentConfig
+from ...experiment import Experiment
+from ...sampling import sample_clients
+from ..common import (
+    RoundStart,
+    RunFailed,
+    RunRecorder,
+    RunResult,
+    finish_round,
+    is_checkpoint_round,
+    start_round,
+)
+from .payloads import check_reply, state_nbytes
+
+log = logging.getLogger(__name__)
+
+
+TOTALS = (
+    "bytes_up",
+    "bytes_down",
+    "seconds",
+    "wire_bytes_up",
+    "wire_bytes_down",
+    "state_bytes_up",
+    "state_bytes_down",
+)
+
+
+def assign_silos(chosen: list[int], holder: dict[int, int], workers: int) -> list[int]:
+    """Route a round's silos to workers 1..``workers``: position i is served by rank i + 1.
+
+    A silo goes back to the worker holding its newest client state when that worker is free,
+    so state rarely has to move; the rest fill the free workers in id order. Deterministic.
+    """
+    if len(chosen) != workers:
+        raise ValueError(f"{len(chosen)} silos for {workers} workers")
+    slots: list[int | None] = [None] * workers
+    rest = []
+    for k in sorted(chosen):
+        w = holder.get(k)
+        if w is not None and 1 <= w <= workers and slots[w - 1] is None:
+            slots[w - 1] = k
+        else:
+            rest.append(k)
+    free = [i for i, s in enumerate(slots) if s is None]
+    for i, k in zip(free, rest, strict=True):
+        slots[i] = k
+    return [int(s) for s in slots]
+
+
+class ServerRuntime:
+    """The server's round logic, routing and per-silo state store, independent of transport.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's config (its fingerprint goes into checkpoints).
+    exp : Experiment
+        The server's experiment; ``exp.algorithm.setup()`` must have run.
+    run_dir : Path
+        Output folder.
+    resume_state : dict, optional
+        A checkpoint to continue from.
+    workers : int
+        C_k, the number of worker processes.
+    stop_after : int, optional
+        Stop after this many rounds in total (as in the local runtime).
+    backend : str
+        Name recorded in the summary (``MPI`` / ``GRPC``).
+    """
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        exp: Experiment,
+        run_dir: Path,
+        resume_state: dict[str, Any] | None,
+        workers: int,
+        stop_after: int | None = None,
+        backend: str = "MPI",
+    ) -> None:
+        self.cfg, self.exp, self.workers, self.backend = cfg, exp, workers, backend
+        K = cfg.train_args.client_num_in_total
+        self.rec = RunRecorder(cfg, exp, run_dir, resume_state=resume_state, totals_keys=TOTALS)
+        self.run_dir = Path(run_dir)
+        self.client_states: dict[int, dict] = (
+            resume_state["client_states"] if resume_state is not None else {k: {} for k in range(K)}
+        )
+        self.tags = {k: -1 for k in range(K)}  # round each silo's state was last updated
+        self.holder: dict[int, int] = {}  # silo -> rank whose cache has its newest state
+        self.stale: set[int] = set()  # silos whose newest state the server has not received
+        self.drop: dict[int, set[int]] = {w: set() for w in range(1, workers + 1)}
+        self.plans: dict[int, list[int]] = {}
+        self.round = self.rec.start
+        rounds = cfg.train_args.comm_round
+        self.end = rounds if stop_after is None else min(rounds, stop_after)
+        self.status = "completed" if self.end == rounds else "stopped"
+        self.current: RoundStart | None = None
+        self.payloads: dict[int, dict] | None = None
+        self.awaiting: dict[int, int] = {}  # rank -> silo, this round
+        self.round_started = time.monotonic()
+        self.failure: RunFailed | None = None
+        self.refused: list[str] = []
+        self.last_row: dict[str, Any] = {}
+        self.model_shapes = {k: tuple(v.shape) for k, v in exp.algorithm.model_fn().state_dict().items()}
+        self.partial_ok = bool(getattr(exp.algorithm, "partial_replies", False))
+        self.requires_all = bool(getattr(exp.algorithm, "requires_all_replies", False))
+        self.bar = tqdm(
+            total=rounds,
+            initial=self.round,
+            desc=f"{cfg.algorithm} [FedML {backend}]",
+            unit="round",
+            disable=not cfg.tracking_args.progress_bar,
+            dynamic_ncols=True,
+            leave=True,
+        )
+
+    # ---- routing -------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.round >= self.end
+
+    def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
+        """The silo each worker serves in round ``r`` (cached: computed once per round)."""
+        if r not in self.plans:
+            t = self.cfg.train_args
+            chosen = sample_clients(self.cfg.common_args.random_seed, r, t.client_num_in_total, t.client_num_per_round)
+            self.plans[r] = assign_silos(chosen, self.holder if holder is None else holder, self.workers)
+        return self.plans[r]
+
+    def routing(self) -> list[int]:
+        """Silo ids in worker order for the next send (the last round's after the run ends)."""
+        return self.plan(min(self.round, self.end - 1))
+
+    def outstanding(self) -> dict[int, int]:
+        """rank -> silo of the workers this round still waits for."""
+        return dict(self.awaiting)
+
+    def received(self, rank: int) -> None:
+        self.awaiting.pop(rank, None)
+
+    # ---- a round -------------------------------------------------------------------------
+    def begin_round(self) -> dict[int, dict[str, Any]]:
+        """Server step and one payload per silo for the current round (idempotent per round)."""
+        r = self.round
+        if self.payloads is not None and self.current is not None and self.current.round_idx == r:
+            return self.payloads
+        plan = self.plan(r)
+        start = start_round(self.exp, r)
+        if sorted(plan) != start.chosen:
+            raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r}")
+        after = dict(self.holder)
+        after.update({k: i + 1 for i, k in enumerate(plan)})
+        stale_after = self.stale | set(plan)
+        nxt = self.plan(r + 1, holder=after) if r + 1 < self.end else []
+        checkpoint = is_checkpoint_round(self.cfg, r, self.end)
+        uploads: dict[int, list[int]] = {w: [] for w in range(1, self.workers + 1)}
+        for j in sorted(stale_after):
+            w = after[j]
+            if checkpoint or (j in nxt and nxt.index(j) + 1 != w):
+                uploads[w].append(j)
+        payloads, state_down = {}, 0
+        for i, k in enumerate(plan):
+            w = i + 1
+            send_state = self.holder.get(k) != w
+            if send_state:
+                if k in self.stale:
+                    raise RuntimeError(f"silo {k}'s newest state is on rank {self.holder[k]}, not on the server")
+                state_down += state_nbytes(self.client_states[k])
+            payloads[k] = {
+                "kind": "round",
+                "round": r,
+                "silo": k,
+                "rank": w,
+                "msg": start.messages[k],
+                "state": self.client_states[k] if send_state else None,
+                "state_tag": self.tags[k],
+                "upload": uploads[w],
+                "drop": sorted(self.drop[w] - {k}),
+            }
+            self.drop[w].clear()
+        self.current, self.payloads, self.state_down = start, payloads, state_down
+        self.awaiting = {i + 1: k for i, k in enumerate(plan)}
+        self.round_started = time.monotonic()
+        return payloads
+
+    def finish_round(self, uploads: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """Fold the workers' uploads into the algorithm; record the round; advance."""
+        start, r = self.current, self.round
+        if start is None:
+            raise RuntimeError("finish_round before begin_round")
+        by_silo = {}
+        for up in uploads:
+            if up.get("kind") == "error":
+                raise self.client_error(up)
+            if up.get("round") != r or up.get("silo") not in start.chosen:
+                raise RuntimeError(
+                    f"rank {up.get('rank')} sent a reply for round {up.get('round')} silo {up.get('silo')} "
+                    f"while round {r} waited for silos {start.chosen}"
+                )
+            if up.get("rank") != self.plan(r).index(up["silo"]) + 1:
+                raise RuntimeError(
+                    f"round {r}: silo {up['silo']} came back from rank {up.get('rank')}, but was routed to rank "
+                    f"{self.plan(r).index(up['silo']) + 1}"
+                )
+            by_silo[up["silo"]] = up
+        if sorted(by_silo) != start.chosen:
+            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+        for k in start.chosen:  # the worker that trained a silo now holds its newest state
+            w = by_silo[k]["rank"]
+            old = self.holder.get(k)
+            if old is not None and old != w:
+                self.drop[old].add(k)
+            self.holder[k], self.tags[k] = w, r
+            self.stale.add(k)
+        state_up = 0
+        for k in start.chosen:
+            up = by_silo[k]
+            for j, (tag, st) in up.get("states", {}).items():
+                if self.holder.get(j) == up["rank"] and self.tags[j] == tag:
+                    self.client_states[j] = st
+                    self.stale.discard(j)
+                    state_up += state_nbytes(st)
+        if is_checkpoint_round(self.cfg, r, self.end) and self.stale:
+            raise RuntimeError(f"round {r}: client states of silos {sorted(self.stale)} were not uploaded")
+        return self._close_round(by_silo, state_bytes_up=state_up, state_bytes_down=self.state_down, **extra)
+
+    def _close_round(self, by_silo: dict[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """Check the chosen silos' replies, aggregate, record the round and advance (both modes)."""
+        start, r = self.current, self.round
+        replies: dict[int, Message] = {}
+        up_bytes = refused = 0
+        for k in start.chosen:  # sorted, as in the local runtime: aggregation order matters
+            up = by_silo[k]
+            msg = up.get("msg")
+            if isinstance(msg, Message):
+                up_bytes += message_nbytes(msg)
+            problem = check_reply(msg, self.model_shapes, start.messages.get(k), self.partial_ok)
+            if problem is None:
+                replies[k] = msg
+                continue
+            text = f"round {r}: refused the reply of rank {up['rank']} (silo {k}): {problem}"
+            if self.requires_all:
+                raise RunFailed(f"{text}; algorithm '{self.cfg.algorithm}' needs every reply")
+            log.warning("%s; the round goes on without it", text)
+            self.refused.append(text)
+            refused += 1
+            replies[k] = Message()
+        if refused:
+            extra["refused_replies"] = refused
+        row = finish_round(self.exp, start, replies, up_bytes, **extra)
+        acc = self.rec.record(r, row, self.end, self.client_states)
+        self.last_row = row
+        self.round += 1
+        self.current, self.payloads, self.awaiting = None, None, {}
+        self.bar.update(1)
+        if acc is not None:
+            self.bar.set_postfix(acc=f"{100 * acc:.2f}%")
+        return row
+
+    def client_error(self, up: dict[str, Any]) -> RunFailed:
+        tb = up.get("traceback", "")
+        if tb:
+            log.error("traceback from rank %s (silo %s):\n%s", up.get("rank"), up.get("silo"), tb)
+        return RunFailed(
+            f"rank {up.get('rank')} (silo {up.get('silo')}) failed in round {up.get('round')}: {up.get('error')}"
+        )
+
+    # ---- end -----------------------------------------------------------------------------
+    def fail(self, error: BaseException | str) -> RunFailed:
+        """Record a failure once (summary.json ``failed``); return the :class:`RunFailed`."""
+        if self.failure is None:
+            text = str(error) if isinstance(error, (RunFailed, str)) else f"{type(error).__name__}: {error}"
+            self.failure = self.rec.fail(text)
+            self.bar.close()
+            self.rec.close()
+        return self.failure
+
+    def result(self) -> RunResult:
+        self.bar.close()
+        self.rec.close()
+        return self.rec.result(
+            self.status,
+            runtime=f"fedml-{self.backend}",
+            workers=self.workers,
+            wire_bytes_up_per_round=self.rec.totals["wire_bytes_up"] / max(len(self.rec.tracker.rows), 1),
+            wire_bytes_down_per_round=self.rec.totals["wire_bytes_down"] / max(len(self.rec.tracker.rows), 1),
+            state_bytes_total=self.rec.totals["state_bytes_up"] + self.rec.totals["state_bytes_down"],
+            refused_replies=self.refused,
+        )
+
+    def describe(self, ranks: dict[int, int]) -> str:
+        return ", ".join(f"rank {w} (silo {k})" for w, k in sorted(ranks.items()))
+
+
+class DeployedServerRuntime(ServerRuntime):
+    """The server of a deployment: rank k + 1 always serves silo k, whose data and state stay there.
+
+    Every round every silo gets a payload: the sampled ones the algorithm's message, the others an
+    ``idle`` note (so that all of them keep step, answer liveness, and save their state at checkpoint
+    rounds). The first payload to each rank also carries the metadata the silo checks its data
+    against and builds its model from. The server's checkpoint holds no client state: each silo
+    saves its own (:class:`SiloWorker`).
+    """
+
+    def __init__(self, cfg, exp, run_dir, resume_state, workers, stop_after=None, backend="MPI") -> None:
+        from ..data.silos import SiloMeta
+
+        super().__init__(cfg, exp, run_dir, resume_state, workers, stop_after, backend)
+        self.client_states = {}
+        self.meta = dataclasses.asdict(SiloMeta.of(exp.dataset))
+        self.resumed_after = self.round - 1 if resume_state is not None else -1
+        self.introduced: set[int] = set()
+
+    def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
+        return list(range(self.workers))
+
+    def begin_round(self) -> dict[int, dict[str, Any]]:
+        r = self.round
+        if self.payloads is not None and self.current is not None and self.current.round_idx == r:
+            return self.payloads
+        start = start_round(self.exp, r)
+        checkpoint = is_checkpoint_round(self.cfg, r, self.end)
+        payloads = {}
+        for k in range(self.workers):
+            p: dict[str, Any] = {"kind": "idle", "round": r, "silo": k, "rank": k + 1, "checkpoint": checkpoint}
+            if k in start.messages:
+                p.update(kind="round", msg=start.messages[k])
+            if k + 1 not in self.introduced:
+                p.update(meta=self.meta, run_name=self.run_dir.name, resumed_after=self.resumed_after)
+                self.introduced.add(k + 1)
+            payloads[k] = p
+        self.current, self.payloads = start, payloads
+        self.awaiting = {k + 1: k for k in range(self.workers)}
+        self.round_started = time.monotonic()
+        return payloads
+
+    def finish_round(self, uploads: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        start, r = self.current, self.round
+        if start is None:
+            raise RuntimeError("finish_round before begin_round")
+        by_silo: dict[int, dict[str, Any]] = {}
+        for up in uploads:
+            if up.get("kind") == "error":
+                raise self.client_error(up)
+            k = up.get("silo")
+            if up.get("round") != r or up.get("rank") != (k + 1 if isinstance(k, int) else None):
+                raise RuntimeError(
+                    f"rank {up.get('rank')} sent a reply for round {up.get('round')} silo {k} in round {r} "
+                    "(rank k + 1 serves silo k)"
+                )
+            if (up.get("kind") == "reply") != (k in start.chosen):
+                raise RuntimeError(f"round {r}: silo {k} answered '{up.get('kind')}' to a '{self.payloads[k]['kind']}'")
+            if up["kind"] == "reply":
+                by_silo[k] = up
+        if sorted(by_silo) != start.chosen:
+            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+        return self._close_round(by_silo, **extra)

@@ -1,0 +1,157 @@
+"""The worker half of a FedML job (no FedML in here): train the silo each payload names, keep per-silo state."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ... import seeding
+from ...algorithms.base import ClientContext
+from ...checkpoint import load_checkpoint, save_checkpoint
+from ...config import ExperimentConfig
+from ...experiment import Experiment
+
+log = logging.getLogger(__name__)
+
+
+class ClientWorker:
+    """One worker process: trains whichever silo each payload names, keeping per-silo state.
+
+    Parameters
+    ----------
+    exp : Experiment
+        This process's experiment (data, split, algorithm built from the shared config).
+    rank : int
+        The worker's rank (1..C_k).
+    """
+
+    def __init__(self, exp: Experiment, rank: int):
+        self.exp, self.rank = exp, rank
+        self.cache: dict[int, tuple[int, dict]] = {}  # silo -> (round of last update, state)
+
+    def handle(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Run one round's client update; return the upload (or an error upload, never raising)."""
+        r, k = payload.get("round", -1), payload.get("silo", -1)
+        try:
+            for j in payload.get("drop", ()):
+                self.cache.pop(j, None)
+            if payload["state"] is not None:
+                self.cache[k] = (payload["state_tag"], payload["state"])
+            tag, state = self.cache.get(k, (None, None))
+            if state is None or tag != payload["state_tag"]:
+                raise RuntimeError(
+                    f"silo {k}'s client state from round {payload['state_tag']} is not on rank {self.rank} "
+                    f"(it has {tag}); the routing and the state cache disagree"
+                )
+            ctx = ClientContext(round_idx=r, device=self.exp.device, seed=self.exp.config.common_args.random_seed)
+            t0 = time.perf_counter()
+            with seeding.global_stream(ctx.seed, "client", r, k, device=self.exp.device):
+                reply = self.exp.algorithm.client_update(payload["msg"], self.exp.client_data(k, r), state, ctx)
+            seconds = time.perf_counter() - t0
+            self.cache[k] = (r, state)
+            missing = [j for j in payload["upload"] if j not in self.cache]
+            if missing:
+                raise RuntimeError(
+                    f"asked to upload the state of silos {missing}, which rank {self.rank} does not hold"
+                )
+            states = {j: self.cache[j] for j in payload["upload"]}
+            return {
+                "kind": "reply",
+                "round": r,
+                "silo": k,
+                "rank": self.rank,
+                "msg": reply,
+                "states": states,
+                "seconds": seconds,
+            }
+        except Exception as exc:  # reported to the server, which stops the run with this message
+            return {
+                "kind": "error",
+                "round": r,
+                "silo": k,
+                "rank": self.rank,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+
+
+SILO_STATE_NAME = "silo_state.pt"
+
+
+def silo_dir(cfg: ExperimentConfig, run_name: str, silo: int) -> Path:
+    """Where silo ``silo`` keeps its client state: ``output_dir/<the server's run folder name>/silo_<k>``."""
+    return Path(cfg.common_args.output_dir).expanduser() / run_name / f"silo_{silo}"
+
+
+class SiloWorker:
+    """A deployed silo (rank k + 1): trains its own data, keeps its own client state, saves it itself.
+
+    The first payload carries the server's metadata (:class:`~fedml_ssfl.data.silos.SiloMeta`),
+    the run folder's name and the last round the run had completed; only then does the silo read
+    its file (``data_args.local_data``), check it against the metadata and build its algorithm.
+    Its client state never leaves the process: at checkpoint rounds (every payload says whether
+    the round is one) it is written atomically to ``silo_dir(...)/checkpoints/silo_state.pt`` with
+    the round, and a resumed run reloads it, refusing a file from another round or config.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, rank: int):
+        self.cfg, self.rank, self.silo = cfg, rank, rank - 1
+        self.exp: Any = None
+        self.state: dict[str, Any] = {}
+        self.state_path: Path | None = None
+
+    def _start(self, payload: dict[str, Any]) -> None:
+        from ..data.silos import SiloMeta
+        from ..experiment import build_silo_experiment
+
+        meta = payload.get("meta")
+        if meta is None:
+            raise RuntimeError("the server's first message carries no metadata; restart the job")
+        self.exp = build_silo_experiment(self.cfg, SiloMeta(**meta), self.rank)
+        self.state_path = silo_dir(self.cfg, payload["run_name"], self.silo) / "checkpoints" / SILO_STATE_NAME
+        after = int(payload.get("resumed_after", -1))
+        if after >= 0:
+            saved = load_checkpoint(self.state_path, self.cfg.fingerprint())
+            if saved.get("round") != after or saved.get("silo") != self.silo:
+                raise RuntimeError(
+                    f"{self.state_path} holds silo {saved.get('silo')}'s state after round {saved.get('round')}, but "
+                    f"the server resumes after round {after}: restore this silo's checkpoint folder from that round"
+                )
+            self.state = saved["state"]
+
+    def handle(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """One round (train, or stay idle when not sampled); never raises (errors go to the server)."""
+        r = payload.get("round", -1)
+        try:
+            if self.exp is None:
+                self._start(payload)
+            if payload.get("silo") != self.silo:
+                raise RuntimeError(f"rank {self.rank} serves silo {self.silo}, but was sent silo {payload.get('silo')}")
+            up: dict[str, Any] = {"kind": "idle", "round": r, "silo": self.silo, "rank": self.rank}
+            if payload["kind"] == "round":
+                seed = self.cfg.common_args.random_seed
+                ctx = ClientContext(round_idx=r, device=self.exp.device, seed=seed)
+                t0 = time.perf_counter()
+                with seeding.global_stream(seed, "client", r, self.silo, device=self.exp.device):
+                    reply = self.exp.algorithm.client_update(
+                        payload["msg"], self.exp.client_data(self.silo, r), self.state, ctx
+                    )
+                up.update(kind="reply", msg=reply, seconds=time.perf_counter() - t0)
+            if payload.get("checkpoint"):
+                save_checkpoint(
+                    self.state_path,
+                    {"round": r, "silo": self.silo, "fingerprint": self.cfg.fingerprint(), "state": self.state},
+                )
+            return up
+        except Exception as exc:  # reported to the server, which stops the run naming this silo
+            return {
+                "kind": "error",
+                "round": r,
+                "silo": self.silo,
+                "rank": self.rank,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
