@@ -285,13 +285,17 @@ class _Pwned:
         return (open, (self.path, "w"))
 
 
-def wait_for_port(port: int, timeout: float = 120) -> None:
-    """Wait for the port itself: gRPC's reconnect backoff grows to minutes."""
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait for ``proc`` to listen on ``port`` (gRPC's reconnect backoff grows to minutes); fail with its
+    output if it exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the process for port {port} exited ({proc.returncode}): {out[-2000:]}{err[-3000:]}")
         time.sleep(0.2)
     raise AssertionError(f"nothing listens on port {port}")
 
@@ -376,8 +380,8 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
         "oversized": b"\x00" * (3 * 2**20),  # over the limit, within twice it: read, refused by name
     }
     answers = {}
-    for port in (ports[0], ports[1]):
-        wait_for_port(port)
+    for port, proc in zip(ports, procs):
+        wait_for_port(port, proc)
         for name, payload in attacks.items():
             answers[port, name] = send_raw(port, payload)
     huge = send_raw(ports[0], b"\x00" * (5 * 2**20))
@@ -419,7 +423,7 @@ def test_tls_refuses_a_peer_without_a_certificate_of_the_jobs_ca(tmp_path):
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
 
     procs = [launch(0)]  # the client starts after the attempts: the server waits for it meanwhile
-    wait_for_port(port)
+    wait_for_port(port, procs[0])
     assert send_raw(port, b"hello") == "UNAVAILABLE"
     other = tmp_path / "other"
     subprocess.run(["bash", str(ROOT / "deploy/make_test_certs.sh"), str(other), "1"], check=True, timeout=60)
@@ -487,8 +491,8 @@ def test_a_second_server_or_a_duplicate_rank_cannot_join_and_exits(tmp_path):
 
     procs = [launch(0), launch(1)]
     try:
-        for port in ports[:2]:
-            wait_for_port(port)
+        for port, proc in zip(ports, procs):
+            wait_for_port(port, proc)
         for rank in (0, 1):
             ((code, _, err),) = finish([launch(rank)], 120)
             assert code == 2, err[-3000:]
