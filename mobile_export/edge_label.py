@@ -40,7 +40,8 @@ import numpy as np
 FORMAT_TAG = "fedml_ssfl.edge/1"
 STATE_FORMAT = "fedml_ssfl.edge.ensemble/1"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm", ".pnm")
-OUTPUT_NAMES = ("probs", "label", "confidence", "mask")
+INPUT_NAMES = ("images", "thresholds")  # uint8 images (N, C, H, W) and per-class thresholds (K,)
+OUTPUT_NAMES = ("probs", "label", "confidence", "mask")  # the edge graph's outputs, in order
 
 
 class EdgeInputError(ValueError):
@@ -175,7 +176,7 @@ class EdgeLabeler:
         parts: list[list[np.ndarray]] = [[] for _ in OUTPUT_NAMES]
         t = time.perf_counter()
         for s in range(0, len(images), batch_size):
-            out = self.session.run(list(OUTPUT_NAMES), {"images": images[s : s + batch_size], "thresholds": thr})
+            out = self.session.run(list(OUTPUT_NAMES), dict(zip(INPUT_NAMES, (images[s : s + batch_size], thr))))
             for acc, arr in zip(parts, out):
                 acc.append(arr)
         seconds = time.perf_counter() - t

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from . import verify
-from .verify import INPUT_NAMES, OUTPUT_NAMES, Predictions
+from .edge_label import FORMAT_TAG, INPUT_NAMES, OUTPUT_NAMES
+from .verify import Predictions
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ MAX_ACC_DROP = 0.01
 """int8 gate: test accuracy may drop at most this much (1 point)."""
 MIN_AGREEMENT = 0.98
 """int8 gate: pseudo-labels must agree with the float model's on at least this fraction."""
-FORMAT_TAG = "fedml_ssfl.edge/1"
 REPORT_NAME = "export_report.json"
 DEFAULT_WEIGHTS = "global_state"
 

@@ -16,11 +16,7 @@ from typing import Any
 
 import numpy as np
 
-OUTPUT_NAMES = ("probs", "label", "confidence", "mask")
-"""The edge graph's outputs, in order."""
-
-INPUT_NAMES = ("images", "thresholds")
-"""The edge graph's inputs: uint8 images (N, C, H, W) and per-class thresholds (K,)."""
+from .edge_label import INPUT_NAMES, OUTPUT_NAMES  # the edge contract, defined once (that file runs alone)
 
 PROB_RTOL = 1e-3
 PROB_ATOL = 1e-5
@@ -63,7 +59,7 @@ def run_session(session, images: np.ndarray, thresholds: np.ndarray, batch_size:
     parts: list[list[np.ndarray]] = [[], [], [], []]
     thr = np.asarray(thresholds, dtype=np.float32)
     for start in range(0, len(images), batch_size):
-        out = session.run(list(OUTPUT_NAMES), {"images": images[start : start + batch_size], "thresholds": thr})
+        out = session.run(list(OUTPUT_NAMES), dict(zip(INPUT_NAMES, (images[start : start + batch_size], thr))))
         for acc, arr in zip(parts, out):
             acc.append(arr)
     if not parts[0]:

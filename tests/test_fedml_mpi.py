@@ -248,6 +248,14 @@ LAUNCHER = textwrap.dedent(
         return reply
 
     FedAvgSSL.client_update = faulty
+    original_setup = FedAvgSSL.setup
+
+    def setup(self):  # runs on the server only
+        if current["fault"] == "setup":
+            raise RuntimeError("the server's setup failed")
+        return original_setup(self)
+
+    FedAvgSSL.setup = setup
     comm = MPI.COMM_WORLD
 
     def drain():
@@ -439,6 +447,23 @@ def test_a_stalled_worker_ends_the_job_in_bounded_time(tmp_path):
     assert "rank 2 (silo 1)" in summary["error"]
     assert "rank 2 (silo 1)" in proc.stderr and "error:" in proc.stderr, proc.stderr[-3000:]
     assert load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["round"] == 0
+
+
+def test_an_error_on_one_rank_outside_the_run_ends_the_job(tmp_path):
+    """The server raises while setting up (the workers are waiting for it): the job ends at once, naming
+    the rank and the error, instead of every process waiting for another forever."""
+    cfg = fedml_config(tmp_path, "train_args.client_num_per_round=2", "common_args.run_name=setup_fails")
+    manifest = [{"name": "setup", "config": str(write(cfg, tmp_path / "setup.yaml")), "fault": "setup"}]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "launch.py").write_text(LAUNCHER)
+    proc = mpirun(
+        3,
+        [sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "manifest.json"), str(tmp_path / "out.json")],
+        timeout=150,  # a job that hangs fails the test here
+    )
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    line = next((x for x in proc.stderr.splitlines() if "ending the MPI job" in x), "")
+    assert "rank 0: RuntimeError: the server's setup failed" in line, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

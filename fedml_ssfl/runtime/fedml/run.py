@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -89,71 +90,89 @@ def run_fedml(
         peers = [ip for ip, _ in table.values()]
         security = load_security(cfg, rank)
         check_port_free(rank, *table[rank])
-    is_server = rank == 0
-    state = None
-    if is_server:
-        base = Path(run_dir) if run_dir is not None else cfg.run_dir()
-        run_dir = base if resume else fresh_run_dir(base)
-        ckpt = run_dir / "checkpoints" / CHECKPOINT_NAME
-        state = load_checkpoint(ckpt, cfg.fingerprint(), cfg.to_dict()) if resume else None
-    dev_cfg = _with_device(cfg, rank)
-    guarded = not offline.installed() and offline.install(peers)  # uninstalled below only if ours
-    meter = WireMeter()
-    mpi_pickle = None
-    with _fedml_offline() as fedml:
-        from fedml.core.distributed.communication.message import Message as FedMessage
+    try:
+        is_server = rank == 0
+        state = None
+        if is_server:
+            base = Path(run_dir) if run_dir is not None else cfg.run_dir()
+            run_dir = base if resume else fresh_run_dir(base)
+            ckpt = run_dir / "checkpoints" / CHECKPOINT_NAME
+            state = load_checkpoint(ckpt, cfg.fingerprint(), cfg.to_dict()) if resume else None
+        dev_cfg = _with_device(cfg, rank)
+        guarded = not offline.installed() and offline.install(peers)  # uninstalled below only if ours
+        meter = WireMeter()
+        mpi_pickle = None
+        with _fedml_offline() as fedml:
+            from fedml.core.distributed.communication.message import Message as FedMessage
 
-        meter.message_class = FedMessage
-        args = fedml_args(cfg, rank)
-        args.comm, args.ssfl_grpc_table, args.ssfl_security = comm, table, security
-        args.ssfl_membership, args.ssfl_job = membership(cfg), cfg.common_args.run_id
-        with contextlib.redirect_stdout(io.StringIO()):
-            args = fedml.init(args, check_env=False, should_init_logs=False)
-        if backend == "MPI":
-            from mpi4py import MPI
+            meter.message_class = FedMessage
+            args = fedml_args(cfg, rank)
+            args.comm, args.ssfl_grpc_table, args.ssfl_security = comm, table, security
+            args.ssfl_membership, args.ssfl_job = membership(cfg), cfg.common_args.run_id
+            with contextlib.redirect_stdout(io.StringIO()):
+                args = fedml.init(args, check_env=False, should_init_logs=False)
+            if backend == "MPI":
+                from mpi4py import MPI
 
-            mpi_pickle = MPI.pickle
-            MPI.pickle.__init__(meter.dumps, meter.loads)
-        from . import managers  # FedML's classes: imported only now, offline
-        from .hooks import SSFLAggregator
+                mpi_pickle = MPI.pickle
+                MPI.pickle.__init__(meter.dumps, meter.loads)
+            from . import managers  # FedML's classes: imported only now, offline
+            from .hooks import SSFLAggregator
 
-        workers = worker_count(cfg)
-        try:
-            if not is_server:
-                worker = (
-                    SiloWorker(dev_cfg, rank)
-                    if deployed(cfg)
-                    else ClientWorker(build_experiment(dev_cfg, dataset), rank)
-                )
-                _run_worker(worker, args, rank, meter, limits, comm, workers, backend)
-                return None
-            exp = build_experiment(dev_cfg, dataset)
-            if deployed(cfg):
-                check_server_counts(cfg, exp)
-            exp.algorithm.setup()
-            runtime_class = DeployedServerRuntime if deployed(cfg) else ServerRuntime
-            runtime = runtime_class(cfg, exp, Path(run_dir), state, workers, stop_after, backend)
-            server_agg = SSFLAggregator(exp.algorithm.global_model(), args, runtime, meter)
-            silo_agg = managers.SSFLSiloAggregator(server_agg, args, workers, exp.device)
-            manager = managers.SSFLServerManager(args, silo_agg, runtime, meter, limits, comm, workers, backend)
-            previous = _install_terminate_handler(manager.on_terminate)
+            workers = worker_count(cfg)
             try:
-                if runtime.done:
-                    log.info("nothing to run: %s already completed round %d", run_dir, runtime.round - 1)
-                manager.run()
+                if not is_server:
+                    worker = (
+                        SiloWorker(dev_cfg, rank)
+                        if deployed(cfg)
+                        else ClientWorker(build_experiment(dev_cfg, dataset), rank)
+                    )
+                    _run_worker(worker, args, rank, meter, limits, comm, workers, backend)
+                    return None
+                exp = build_experiment(dev_cfg, dataset)
+                if deployed(cfg):
+                    check_server_counts(cfg, exp)
+                exp.algorithm.setup()
+                runtime_class = DeployedServerRuntime if deployed(cfg) else ServerRuntime
+                runtime = runtime_class(cfg, exp, Path(run_dir), state, workers, stop_after, backend)
+                server_agg = SSFLAggregator(exp.algorithm.global_model(), args, runtime, meter)
+                silo_agg = managers.SSFLSiloAggregator(server_agg, args, workers, exp.device)
+                manager = managers.SSFLServerManager(args, silo_agg, runtime, meter, limits, comm, workers, backend)
+                previous = _install_terminate_handler(manager.on_terminate)
+                try:
+                    if runtime.done:
+                        log.info("nothing to run: %s already completed round %d", run_dir, runtime.round - 1)
+                    manager.run()
+                finally:
+                    _restore_terminate_handler(previous)
+                if runtime.failure is not None:
+                    raise runtime.failure
+                if not runtime.done:
+                    raise runtime.fail(f"the FedML server stopped in round {runtime.round} before the run ended")
+                return runtime.result()
             finally:
-                _restore_terminate_handler(previous)
-            if runtime.failure is not None:
-                raise runtime.failure
-            if not runtime.done:
-                raise runtime.fail(f"the FedML server stopped in round {runtime.round} before the run ended")
-            return runtime.result()
-        finally:
-            if mpi_pickle is not None:
-                with contextlib.suppress(Exception):
-                    mpi_pickle.__init__()
-            if guarded:
-                offline.uninstall()
+                if mpi_pickle is not None:
+                    with contextlib.suppress(Exception):
+                        mpi_pickle.__init__()
+                if guarded:
+                    offline.uninstall()
+    except RunFailed:
+        raise  # the server ended the run and told the workers (or aborted the job itself)
+    except Exception as exc:
+        if comm is not None and comm.Get_size() > 1:
+            _abort_mpi_job(rank, exc)
+        raise
+
+
+def _abort_mpi_job(rank: int, exc: BaseException) -> None:
+    """An error escaped this rank outside the run's own failure path: the other ranks would wait for it
+    forever (in a receive, or in ``MPI_Finalize`` at exit), so say why and end the whole job."""
+    text = str(exc) if isinstance(exc, (ConfigError, OSError)) else f"{type(exc).__name__}: {exc}"
+    sys.stderr.write(f"fedml-ssfl run: error: rank {rank}: {text}; ending the MPI job\n")
+    sys.stderr.flush()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)
 
 
 def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, backend: str) -> None:

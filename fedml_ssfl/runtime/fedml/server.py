@@ -317,7 +317,7 @@ class DeployedServerRuntime(ServerRuntime):
     """
 
     def __init__(self, cfg, exp, run_dir, resume_state, workers, stop_after=None, backend="MPI") -> None:
-        from ..data.silos import SiloMeta
+        from ...data.silos import SiloMeta
 
         super().__init__(cfg, exp, run_dir, resume_state, workers, stop_after, backend)
         self.client_states = {}

@@ -104,8 +104,8 @@ class SiloWorker:
         self.state_path: Path | None = None
 
     def _start(self, payload: dict[str, Any]) -> None:
-        from ..data.silos import SiloMeta
-        from ..experiment import build_silo_experiment
+        from ...data.silos import SiloMeta
+        from ...experiment import build_silo_experiment
 
         meta = payload.get("meta")
         if meta is None:
