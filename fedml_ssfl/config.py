@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from .data.partition_methods import METHODS, SCENARIOS, PartitionOptions
+
 log = logging.getLogger(__name__)
 
 
@@ -70,8 +72,7 @@ class DataArgs:
     label_scenario: str = "server"  # server (labels-at-server) | client (labels-at-client)
     num_server_labels: int = 50  # N_s
     num_server_val: int = 0
-    # iid | r | dirichlet | shards | batch_iid | batch_noniid | streaming_noniid | noniid_1 | noniid_2 | noniid_3
-    partition_method: str = "iid"
+    partition_method: str = "iid"  # one of fedml_ssfl.data.partition_methods.METHODS
     non_iid_r: float = 0.4  # R (Zhang et al. Eq. 1) for partition_method r
     partition_alpha: float = 0.5  # Dirichlet concentration
     classes_per_client: int = 2  # shards: shards per client; noniid_1 / noniid_2: distinct classes per client
@@ -194,19 +195,8 @@ SECTIONS: dict[str, type] = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "common_args.training_type": ("simulation", "cross_silo"),
     "common_args.scenario": ("horizontal",),
-    "data_args.label_scenario": ("server", "client"),
-    "data_args.partition_method": (
-        "iid",
-        "r",
-        "dirichlet",
-        "shards",
-        "batch_iid",
-        "batch_noniid",
-        "streaming_noniid",
-        "noniid_1",
-        "noniid_2",
-        "noniid_3",
-    ),
+    "data_args.label_scenario": SCENARIOS,
+    "data_args.partition_method": METHODS,
     "model_args.norm": ("bn", "gn", "none"),
     "train_args.lr_schedule": ("cosine", "constant"),
     "train_args.client_optimizer": ("sgd",),
@@ -441,31 +431,15 @@ def _check_deployment(cfg: ExperimentConfig) -> None:
         raise ConfigError("data_args.norm_mean and norm_std need one value per channel each (or both empty)")
 
 
-def partition_options(d: DataArgs) -> dict[str, Any]:
-    """The ``data_args`` keys that the partition methods share (passed on by name)."""
-    keys = (
-        "classes_per_client",
-        "client_label_ratio",
-        "imbalance_strength",
-        "num_stages",
-        "rounds_per_stage",
-        "rich_client_fraction",
-        "rich_label_ratio",
-        "poor_label_ratio",
-    )
-    return {k: getattr(d, k) for k in keys}
+def partition_options(d: DataArgs) -> PartitionOptions:
+    """The split's options (:func:`fedml_ssfl.data.build_split`): the ``data_args`` keys of the same names."""
+    return PartitionOptions(**{f.name: getattr(d, f.name) for f in dataclasses.fields(PartitionOptions)})
 
 
 def _check_partition(d: DataArgs) -> None:
     """The partition method's keys go together (labels-at-client-only methods, label ratio gamma ...)."""
-    from .data.partition import check_method_options  # late: the data package imports torch
-
     try:
-        check_method_options(
-            method=d.partition_method,
-            scenario=d.label_scenario,
-            **partition_options(d),
-        )
+        partition_options(d).check()
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

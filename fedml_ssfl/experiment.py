@@ -125,16 +125,9 @@ def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
         split = build_split(
             dataset.train_labels,
             dataset.num_classes,
+            partition_options(d),
             num_clients=t.client_num_in_total,
             seed=cfg.common_args.random_seed,
-            scenario=d.label_scenario,
-            num_server_labels=d.num_server_labels,
-            num_server_val=d.num_server_val,
-            method=d.partition_method,
-            non_iid_r=d.non_iid_r,
-            alpha=d.partition_alpha,
-            labels_per_class_client=d.labels_per_class_client,
-            **partition_options(d),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

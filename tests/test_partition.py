@@ -10,6 +10,7 @@ import torch
 
 from fedml_ssfl.data import Split, build_split, non_iid_level
 from fedml_ssfl.data.partition import largest_remainder, r_targets
+from fedml_ssfl.data.partition_methods import PartitionOptions
 from fedml_ssfl.data.report import partition_report, save_partition_heatmap
 
 
@@ -20,6 +21,14 @@ def balanced_labels(per_class: int = 200, num_classes: int = 10) -> torch.Tensor
 def imbalanced_labels() -> torch.Tensor:
     counts = [300, 250, 200, 180, 160, 140, 120, 100, 90, 60]
     return torch.cat([torch.full((n,), c) for c, n in enumerate(counts)])
+
+
+def r_options(r: float, **kwargs) -> PartitionOptions:
+    return PartitionOptions(partition_method="r", non_iid_r=r, **kwargs)
+
+
+def dirichlet(alpha: float, **kwargs) -> PartitionOptions:
+    return PartitionOptions(partition_method="dirichlet", partition_alpha=alpha, **kwargs)
 
 
 def all_sets(split: Split) -> list[torch.Tensor]:
@@ -70,7 +79,7 @@ def test_largest_remainder_sums() -> None:
 @pytest.mark.parametrize("r", [0.0, 0.4, 0.8, 1.0])
 def test_measured_r_matches_requested(r: float) -> None:
     labels = balanced_labels(per_class=500)
-    split = build_split(labels, 10, num_clients=10, seed=0, method="r", non_iid_r=r, num_server_labels=100)
+    split = build_split(labels, 10, r_options(r, num_server_labels=100), num_clients=10, seed=0)
     assert split.requested_r == r
     assert abs(split.measured_r(labels) - r) < 0.01
     joined = assert_disjoint(split)
@@ -89,7 +98,7 @@ def test_r_targets_follow_appendix_a2() -> None:
 
 def test_r_more_clients_than_classes() -> None:
     labels = balanced_labels()
-    split = build_split(labels, 10, num_clients=20, seed=1, method="r", non_iid_r=0.8)
+    split = build_split(labels, 10, r_options(0.8), num_clients=20, seed=1)
     # pairs sharing a main class are identical: R * (fraction of pairs with different main classes)
     frac_diff = 1.0 - 10 / (20 * 19 / 2)
     assert abs(split.measured_r(labels) - 0.8 * frac_diff) < 0.02
@@ -98,7 +107,7 @@ def test_r_more_clients_than_classes() -> None:
 
 def test_r_fewer_clients_than_classes() -> None:
     labels = balanced_labels()
-    split = build_split(labels, 10, num_clients=5, seed=1, method="r", non_iid_r=0.4, num_server_labels=100)
+    split = build_split(labels, 10, r_options(0.4, num_server_labels=100), num_clients=5, seed=1)
     # only the main-class share R * n_j of the 5 classes nobody has as main class is left out
     assigned = sum(len(u) for u in split.client_unlabeled)
     assert assigned == 10 * 190 - 5 * round(0.4 * 190)
@@ -110,7 +119,7 @@ def test_r_fewer_clients_than_classes() -> None:
 
 def test_r_out_of_range() -> None:
     with pytest.raises(ValueError, match="data_args.non_iid_r"):
-        build_split(balanced_labels(), 10, num_clients=10, seed=0, method="r", non_iid_r=1.5)
+        build_split(balanced_labels(), 10, r_options(1.5), num_clients=10, seed=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,7 +130,8 @@ def test_r_out_of_range() -> None:
 @pytest.mark.parametrize("method", ["iid", "r", "dirichlet", "shards"])
 def test_sizes_add_up(method: str) -> None:
     labels = imbalanced_labels()
-    split = build_split(labels, 10, num_clients=10, seed=2, method=method, num_server_labels=53, num_server_val=20)
+    options = PartitionOptions(partition_method=method, num_server_labels=53, num_server_val=20)
+    split = build_split(labels, 10, options, num_clients=10, seed=2)
     joined = assert_disjoint(split)
     assert len(joined) == len(labels)
     assert split.num_clients == 10 and len(split.client_labeled) == 10
@@ -133,7 +143,7 @@ def test_sizes_add_up(method: str) -> None:
 
 
 def test_iid_is_even() -> None:
-    split = build_split(balanced_labels(), 10, num_clients=7, seed=0, num_server_labels=50)
+    split = build_split(balanced_labels(), 10, PartitionOptions(num_server_labels=50), num_clients=7, seed=0)
     sizes = [len(u) for u in split.client_unlabeled]
     assert max(sizes) - min(sizes) <= 1
     assert split.measured_r(balanced_labels()) < 0.2
@@ -142,7 +152,8 @@ def test_iid_is_even() -> None:
 def test_shards_respect_classes_per_client() -> None:
     labels = imbalanced_labels()
     for cpc in (1, 2, 3):
-        split = build_split(labels, 10, num_clients=13, seed=5, method="shards", classes_per_client=cpc)
+        options = PartitionOptions(partition_method="shards", classes_per_client=cpc)
+        split = build_split(labels, 10, options, num_clients=13, seed=5)
         hist = split.class_histograms(labels)
         assert ((hist > 0).sum(axis=1) <= cpc).all()
         assert len(assert_disjoint(split)) == len(labels)
@@ -150,31 +161,22 @@ def test_shards_respect_classes_per_client() -> None:
 
 def test_dirichlet_alpha_controls_skew() -> None:
     labels = balanced_labels()
-    skewed = build_split(labels, 10, num_clients=10, seed=0, method="dirichlet", alpha=0.05)
-    flat = build_split(labels, 10, num_clients=10, seed=0, method="dirichlet", alpha=100.0)
+    skewed = build_split(labels, 10, dirichlet(0.05), num_clients=10, seed=0)
+    flat = build_split(labels, 10, dirichlet(100.0), num_clients=10, seed=0)
     assert skewed.measured_r(labels) > flat.measured_r(labels) + 0.3
     assert min(len(u) for u in skewed.client_unlabeled) >= 1
 
 
 def test_dirichlet_fills_empty_clients() -> None:
     labels = balanced_labels(per_class=10, num_classes=2)
-    split = build_split(labels, 2, num_clients=12, seed=3, method="dirichlet", alpha=0.01, num_server_labels=2)
+    split = build_split(labels, 2, dirichlet(0.01, num_server_labels=2), num_clients=12, seed=3)
     assert min(len(u) for u in split.client_unlabeled) >= 1
 
 
 def test_labels_at_client() -> None:
     labels = balanced_labels()
-    split = build_split(
-        labels,
-        10,
-        num_clients=8,
-        seed=4,
-        scenario="client",
-        num_server_labels=0,
-        method="dirichlet",
-        alpha=0.3,
-        labels_per_class_client=5,
-    )
+    options = dirichlet(0.3, label_scenario="client", num_server_labels=0, labels_per_class_client=5)
+    split = build_split(labels, 10, options, num_clients=8, seed=4)
     assert len(split.server_labeled) == 0
     assert len(assert_disjoint(split)) == len(labels)
     lab = split.class_histograms(labels, "labeled")
@@ -186,9 +188,9 @@ def test_labels_at_client() -> None:
 
 def test_same_seed_same_split() -> None:
     labels = imbalanced_labels()
-    kwargs = dict(num_clients=6, method="dirichlet", alpha=0.5, num_server_val=10)
-    a, b = build_split(labels, 10, seed=9, **kwargs), build_split(labels, 10, seed=9, **kwargs)
-    c = build_split(labels, 10, seed=10, **kwargs)
+    options = dirichlet(0.5, num_server_val=10)
+    a, b = (build_split(labels, 10, options, num_clients=6, seed=9) for _ in range(2))
+    c = build_split(labels, 10, options, num_clients=6, seed=10)
     assert all(torch.equal(x, y) for x, y in zip(all_sets(a), all_sets(b)))
     assert not all(torch.equal(x, y) for x, y in zip(all_sets(a), all_sets(c)))
 
@@ -200,27 +202,29 @@ def test_same_seed_same_split() -> None:
 
 def test_error_server_labels_too_many() -> None:
     with pytest.raises(ValueError, match=r"data_args.num_server_labels.*2000"):
-        build_split(balanced_labels(), 10, num_clients=2, seed=0, num_server_labels=1990, num_server_val=20)
+        build_split(
+            balanced_labels(), 10, PartitionOptions(num_server_labels=1990, num_server_val=20), num_clients=2, seed=0
+        )
 
 
 def test_error_class_too_small() -> None:
     with pytest.raises(ValueError, match="class 9 has only 60"):
-        build_split(imbalanced_labels(), 10, num_clients=2, seed=0, num_server_labels=700)
+        build_split(imbalanced_labels(), 10, PartitionOptions(num_server_labels=700), num_clients=2, seed=0)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({"method": "random"}, "data_args.partition_method"),
-        ({"scenario": "both"}, "data_args.label_scenario"),
+        ({"partition_method": "random"}, "data_args.partition_method"),
+        ({"label_scenario": "both"}, "data_args.label_scenario"),
         ({"num_clients": 0}, "client_num_in_total"),
         ({"num_server_labels": 0}, "data_args.num_server_labels"),
     ],
 )
 def test_errors_name_the_key(kwargs: dict, key: str) -> None:
-    args = {"num_clients": 4, "seed": 0, **kwargs}
+    num_clients = kwargs.pop("num_clients", 4)
     with pytest.raises(ValueError, match=key):
-        build_split(balanced_labels(), 10, **args)
+        build_split(balanced_labels(), 10, PartitionOptions(**kwargs), num_clients=num_clients, seed=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,7 +234,7 @@ def test_errors_name_the_key(kwargs: dict, key: str) -> None:
 
 def test_report_and_heatmap(tmp_path: Path) -> None:
     labels = balanced_labels()
-    split = build_split(labels, 10, num_clients=10, seed=0, method="r", non_iid_r=0.4, num_server_labels=100)
+    split = build_split(labels, 10, r_options(0.4, num_server_labels=100), num_clients=10, seed=0)
     text = partition_report(split, labels, [f"class{i}" for i in range(10)])
     assert "server labeled: 100" in text and "requested: 0.4000" in text and "measured" in text
     assert len(text.splitlines()) >= 10 + 6

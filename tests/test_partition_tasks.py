@@ -11,6 +11,7 @@ import torch
 from fedml_ssfl.config import CHOICES, ConfigError, validate
 from fedml_ssfl.data import Split, build_split
 from fedml_ssfl.data.partition import METHODS, imbalance_profile, imbalance_weights, round_half_up
+from fedml_ssfl.data.partition_methods import PartitionOptions
 from fedml_ssfl.data.report import partition_report, save_partition_heatmap
 from tests.test_partition import all_sets, assert_disjoint
 
@@ -43,17 +44,10 @@ NEW_CASES = [
 
 def make(method: str, scenario: str, seed: int = 0, num_clients: int = 20, labels=LABELS, **kwargs) -> Split:
     server = 100 if scenario == "server" else 0
-    return build_split(
-        labels,
-        10,
-        num_clients=num_clients,
-        seed=seed,
-        method=method,
-        scenario=scenario,
-        num_server_labels=server,
-        num_server_val=50,
-        **kwargs,
+    options = PartitionOptions(
+        partition_method=method, label_scenario=scenario, num_server_labels=server, num_server_val=50, **kwargs
     )
+    return build_split(labels, 10, options, num_clients=num_clients, seed=seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +185,7 @@ def test_noniid_3_keys_change_the_counts() -> None:
 
 
 def test_client_label_ratio_stratified_by_class() -> None:
-    split = make("dirichlet", "client", client_label_ratio=0.2, alpha=0.5)
+    split = make("dirichlet", "client", client_label_ratio=0.2, partition_alpha=0.5)
     lab = split.class_histograms(LABELS, "labeled")
     allh = split.class_histograms(LABELS)
     assert (lab.sum(axis=1) == np.array([round_half_up(0.2 * n) for n in allh.sum(axis=1)])).all()
@@ -206,24 +200,27 @@ def test_client_label_ratio_stratified_by_class() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({"method": "noniid_2", "scenario": "server"}, "data_args.label_scenario: client"),
-        ({"method": "noniid_3", "scenario": "server"}, "data_args.label_scenario: client"),
-        ({"method": "iid", "scenario": "server", "client_label_ratio": 0.1}, "data_args.client_label_ratio"),
-        ({"method": "batch_noniid", "client_label_ratio": 0.1}, "data_args.client_label_ratio"),
-        ({"method": "noniid_3", "client_label_ratio": 0.1}, "data_args.client_label_ratio"),
-        ({"method": "noniid_1", "classes_per_client": 11}, "data_args.classes_per_client"),
-        ({"method": "streaming_noniid", "num_stages": 0}, "data_args.num_stages"),
-        ({"method": "streaming_noniid", "rounds_per_stage": 0}, "data_args.rounds_per_stage"),
-        ({"method": "batch_noniid", "imbalance_strength": 1.5}, "data_args.imbalance_strength"),
-        ({"method": "noniid_3", "rich_label_ratio": 2.0}, "data_args.rich_label_ratio"),
-        ({"method": "batch_noniid", "labels_per_class_client": 20}, "data_args.labels_per_class_client"),
-        ({"method": "noniid_2", "labels_per_class_client": 60}, "data_args.labels_per_class_client"),
+        ({"partition_method": "noniid_2", "label_scenario": "server"}, "data_args.label_scenario: client"),
+        ({"partition_method": "noniid_3", "label_scenario": "server"}, "data_args.label_scenario: client"),
+        (
+            {"partition_method": "iid", "label_scenario": "server", "client_label_ratio": 0.1},
+            "data_args.client_label_ratio",
+        ),
+        ({"partition_method": "batch_noniid", "client_label_ratio": 0.1}, "data_args.client_label_ratio"),
+        ({"partition_method": "noniid_3", "client_label_ratio": 0.1}, "data_args.client_label_ratio"),
+        ({"partition_method": "noniid_1", "classes_per_client": 11}, "data_args.classes_per_client"),
+        ({"partition_method": "streaming_noniid", "num_stages": 0}, "data_args.num_stages"),
+        ({"partition_method": "streaming_noniid", "rounds_per_stage": 0}, "data_args.rounds_per_stage"),
+        ({"partition_method": "batch_noniid", "imbalance_strength": 1.5}, "data_args.imbalance_strength"),
+        ({"partition_method": "noniid_3", "rich_label_ratio": 2.0}, "data_args.rich_label_ratio"),
+        ({"partition_method": "batch_noniid", "labels_per_class_client": 20}, "data_args.labels_per_class_client"),
+        ({"partition_method": "noniid_2", "labels_per_class_client": 60}, "data_args.labels_per_class_client"),
     ],
 )
 def test_build_split_errors_name_the_key(kwargs: dict, key: str) -> None:
-    args = {"scenario": "client", "num_server_labels": 100, "num_clients": 20, "seed": 0, **kwargs}
+    options = PartitionOptions(**{"label_scenario": "client", "num_server_labels": 100, **kwargs})
     with pytest.raises(ValueError, match=key):
-        build_split(balanced_labels(per_class=200), 10, **args)
+        build_split(balanced_labels(per_class=200), 10, options, num_clients=20, seed=0)
 
 
 @pytest.mark.parametrize(
@@ -290,3 +287,43 @@ def test_partition_command_shows_a_new_method(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "method=noniid_2 scenario=client" in out and "labeled samples only:" in out
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------------------------
+# the table of methods and the options object
+# --------------------------------------------------------------------------------------------
+
+
+def test_partition_options_are_the_data_args_keys_with_their_defaults() -> None:
+    from dataclasses import fields
+
+    from fedml_ssfl.config import DataArgs, partition_options
+
+    data_args = DataArgs()
+    assert partition_options(data_args) == PartitionOptions()
+    for f in fields(PartitionOptions):
+        assert getattr(data_args, f.name) == f.default, f.name
+
+
+def test_every_row_has_its_function_and_options() -> None:
+    from dataclasses import fields
+
+    from fedml_ssfl.data.partition import PARTITION_METHODS, implements
+    from fedml_ssfl.data.partition_methods import METHOD_TABLE
+
+    assert tuple(PARTITION_METHODS) == METHODS == tuple(m.name for m in METHOD_TABLE)
+    for name, method in PARTITION_METHODS.items():
+        assert method.info.name == name and callable(method.function) and method.info.description
+        assert set(method.info.scenarios) <= {"server", "client"}
+        assert {f.name for f in fields(method.info.options)} <= {f.name for f in fields(PartitionOptions)}
+    assert [n for n, m in PARTITION_METHODS.items() if m.info.streaming] == ["streaming_noniid"]
+    with pytest.raises(ValueError, match="data_args.partition_method: unknown method 'nope'"):
+        implements("nope")(lambda data, options: ([], []))
+
+
+def test_partition_layer_does_not_import_the_config() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, fedml_ssfl.data.partition; sys.exit('fedml_ssfl.config' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

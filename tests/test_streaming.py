@@ -9,6 +9,7 @@ import torch
 from fedml_ssfl.algorithms.fedavg_ssl import FedAvgSSL
 from fedml_ssfl.checkpoint import load_checkpoint
 from fedml_ssfl.data import build_split
+from fedml_ssfl.data.partition_methods import PartitionOptions
 from fedml_ssfl.experiment import build_experiment, load_experiment_dataset, make_split
 from fedml_ssfl.runtime.local import run_local
 
@@ -16,19 +17,16 @@ LABELS = torch.arange(10).repeat_interleave(250)
 
 
 def streaming(scenario: str = "client", num_stages: int = 10, rounds_per_stage: int = 10, seed: int = 0, **kw):
-    return build_split(
-        LABELS,
-        10,
-        num_clients=10,
-        seed=seed,
-        method="streaming_noniid",
-        scenario=scenario,
+    options = PartitionOptions(
+        partition_method="streaming_noniid",
+        label_scenario=scenario,
         num_server_labels=0 if scenario == "client" else 100,
         num_server_val=30,
         num_stages=num_stages,
         rounds_per_stage=rounds_per_stage,
         **kw,
     )
+    return build_split(LABELS, 10, options, num_clients=10, seed=seed)
 
 
 @pytest.mark.parametrize("scenario", ["client", "server"])
@@ -68,10 +66,10 @@ def test_released_samples_grow_exactly_by_the_stage_sizes() -> None:
 
 def test_streaming_is_batch_noniid_plus_stages() -> None:
     stream = streaming(num_stages=4)
-    batch = build_split(
-        LABELS, 10, num_clients=10, seed=0, method="batch_noniid", scenario="client", num_server_labels=0,
-        num_server_val=30,
-    )  # fmt: skip
+    options = PartitionOptions(
+        partition_method="batch_noniid", label_scenario="client", num_server_labels=0, num_server_val=30
+    )
+    batch = build_split(LABELS, 10, options, num_clients=10, seed=0)
     assert batch.client_stages is None and batch.num_stages == 0
     for a, b in zip(stream.client_unlabeled, batch.client_unlabeled):
         assert torch.equal(torch.sort(a).values, b)
@@ -91,7 +89,7 @@ def test_more_stages_than_samples_and_one_stage() -> None:
 
 
 def test_a_batch_split_ignores_the_round() -> None:
-    split = build_split(LABELS, 10, num_clients=5, seed=0, method="iid", num_server_labels=50)
+    split = build_split(LABELS, 10, PartitionOptions(num_server_labels=50), num_clients=5, seed=0)
     assert not split.streaming and split.released_stages(7) == 0
     assert torch.equal(split.unlabeled_at(2, 7), split.client_unlabeled[2])
     assert len(split.stage_sizes(2)) == 0

@@ -1,8 +1,14 @@
-"""Split a training set between the server and K clients, and measure how non-iid the split is.
+"""Split a training set between the server and K clients (the result is a :class:`~fedml_ssfl.data.split.Split`).
 
 Order of work (Zhang et al., Appendix A.2): a balanced labeled set for the server (``N_s / d`` per
 class), then a balanced server validation set, then the rest shared among the K clients by one of
 the methods below. In the labels-at-client scenario each client also holds a few labeled samples.
+
+:func:`build_split` takes one :class:`~fedml_ssfl.data.partition_methods.PartitionOptions` (the
+``data_args`` partition keys). The methods are the rows of
+:data:`~fedml_ssfl.data.partition_methods.METHOD_TABLE` (name, options class, label scenarios,
+streaming flag, description), each bound here to the function decorated ``@implements(name)``
+(:data:`PARTITION_METHODS`); adding a method is one row there and one function here.
 
 Client partition methods (``data_args.partition_method``)
 ---------------------------------------------------------
@@ -79,192 +85,59 @@ split.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from fedml_ssfl.config import CHOICES
+from fedml_ssfl.data.partition_methods import (
+    METHOD_TABLE,
+    METHODS,
+    SCENARIOS,
+    ClassSetOptions,
+    DirichletOptions,
+    ImbalancedOptions,
+    LabelOptions,
+    MethodInfo,
+    PartitionOptions,
+    RichPoorOptions,
+    ROptions,
+    ShardsOptions,
+    method_info,
+)
+from fedml_ssfl.data.split import Split, as_numpy_labels, non_iid_level
 from fedml_ssfl.seeding import numpy_rng
 
-METHODS = CHOICES["data_args.partition_method"]
-"""The partition methods (config.py's list of allowed ``data_args.partition_method`` values)."""
-SCENARIOS = ("server", "client")
-CLIENT_ONLY_METHODS = ("noniid_2", "noniid_3")
-"""Methods that only make sense with labels at the clients."""
-IMBALANCED_METHODS = ("batch_noniid", "streaming_noniid")
-"""FedMatch's class-imbalanced methods (labeled data per class, never by ratio)."""
-STREAMING_METHODS = ("streaming_noniid",)
-"""Methods whose unlabeled data arrives in stages."""
-CLASS_SET_METHODS = ("noniid_1", "noniid_2")
-"""Methods giving each client ``classes_per_client`` distinct classes."""
+__all__ = [
+    "METHODS",
+    "PARTITION_METHODS",
+    "SCENARIOS",
+    "ClientPools",
+    "PartitionMethod",
+    "PartitionOptions",
+    "Split",
+    "balanced_counts",
+    "build_split",
+    "client_class_sets",
+    "implements",
+    "imbalance_profile",
+    "imbalance_weights",
+    "largest_remainder",
+    "non_iid_level",
+    "r_targets",
+    "round_half_up",
+]
+
 FEDMATCH_PROFILE = (0.50, 0.15, 0.03, 0.02)
 """Class weights of FedMatch's imbalanced clients: main class, its two neighbours, any other, the opposite."""
-_WHICH = ("all", "unlabeled", "labeled")
 _DIRICHLET_TRIES = 10
 
 
 def round_half_up(x: float) -> int:
     """``floor(x + 0.5)``: how label ratios become counts (0.05 * 90 = 4.5 -> 5)."""
     return int(math.floor(x + 0.5 + 1e-9))
-
-
-@dataclass
-class Split:
-    """Who holds which training samples.
-
-    Attributes
-    ----------
-    server_labeled : torch.Tensor
-        int64 indices into the train set: the server's labeled samples.
-    server_val : torch.Tensor
-        int64 indices of the server's validation set (disjoint from ``server_labeled``).
-    client_unlabeled : list of torch.Tensor
-        One int64 index tensor per client: sorted, except for streaming splits, where it is
-        ordered by stage (sorted within each stage) so that every release is a prefix.
-    client_labeled : list of torch.Tensor
-        One per client; empty in the labels-at-server scenario.
-    num_classes : int
-        Number of classes ``d``.
-    requested_r : float or None
-        The requested non-iid level for method ``"r"``, else None.
-    method, scenario : str
-        How the split was built (for reports).
-    client_stages : list of torch.Tensor or None
-        Streaming splits: per client, the int64 stage id (0 .. T-1, non-decreasing) of each entry
-        of ``client_unlabeled``; None when not streaming.
-    num_stages : int
-        T for streaming splits, 0 otherwise.
-    rounds_per_stage : int
-        Rounds between two stage releases (streaming splits).
-    """
-
-    server_labeled: torch.Tensor
-    server_val: torch.Tensor
-    client_unlabeled: list[torch.Tensor]
-    client_labeled: list[torch.Tensor]
-    num_classes: int
-    requested_r: float | None = None
-    method: str = "iid"
-    scenario: str = "server"
-    client_stages: list[torch.Tensor] | None = None
-    num_stages: int = 0
-    rounds_per_stage: int = 1
-
-    @property
-    def num_clients(self) -> int:
-        """Number of clients K."""
-        return len(self.client_unlabeled)
-
-    @property
-    def streaming(self) -> bool:
-        """Whether the clients' unlabeled data arrives in stages."""
-        return self.client_stages is not None
-
-    def client_indices(self, client_id: int, which: str = "all") -> torch.Tensor:
-        """One client's indices: ``"all"`` (unlabeled then labeled), ``"unlabeled"`` or ``"labeled"``."""
-        if which not in _WHICH:
-            raise ValueError(f"which must be one of {_WHICH}, got {which!r}")
-        if which == "unlabeled":
-            return self.client_unlabeled[client_id]
-        if which == "labeled":
-            return self.client_labeled[client_id]
-        return torch.cat([self.client_unlabeled[client_id], self.client_labeled[client_id]])
-
-    def released_stages(self, round_idx: int | None) -> int:
-        """How many stages are out at round ``round_idx``: ``min(T, round_idx // rounds_per_stage + 1)``.
-
-        ``T`` for ``round_idx=None``; 0 for a split that is not streaming.
-        """
-        if not self.streaming:
-            return 0
-        if round_idx is None:
-            return self.num_stages
-        if round_idx < 0:
-            raise ValueError(f"round_idx must be >= 0, got {round_idx}")
-        return min(self.num_stages, round_idx // self.rounds_per_stage + 1)
-
-    def unlabeled_at(self, client_id: int, round_idx: int | None = None) -> torch.Tensor:
-        """Client ``client_id``'s unlabeled indices visible at round ``round_idx``.
-
-        Not streaming, or ``round_idx=None``: all of them. Streaming: the stages released so far
-        (:meth:`released_stages`), a prefix of ``client_unlabeled[client_id]``, so a sample keeps
-        its position from its release on.
-        """
-        unlabeled = self.client_unlabeled[client_id]
-        if not self.streaming or round_idx is None:
-            return unlabeled
-        released = self.released_stages(round_idx)
-        return unlabeled[: int((self.client_stages[client_id] < released).sum())]
-
-    def stage_sizes(self, client_id: int) -> np.ndarray:
-        """int64 ``(T,)``: how many unlabeled samples of the client each stage releases (empty if not streaming)."""
-        if not self.streaming:
-            return np.zeros(0, dtype=np.int64)
-        return np.bincount(self.client_stages[client_id].numpy(), minlength=self.num_stages).astype(np.int64)
-
-    def class_histograms(self, labels: torch.Tensor, which: str = "all") -> np.ndarray:
-        """Per-client class counts.
-
-        Parameters
-        ----------
-        labels : torch.Tensor
-            The train labels the indices point into.
-        which : {"all", "unlabeled", "labeled"}
-            Which of each client's index sets to count.
-
-        Returns
-        -------
-        numpy.ndarray
-            int64 array ``(K, d)``.
-        """
-        y = _as_numpy_labels(labels)
-        rows = [
-            np.bincount(y[self.client_indices(k, which).numpy()], minlength=self.num_classes)
-            for k in range(self.num_clients)
-        ]
-        return np.stack(rows).astype(np.int64) if rows else np.zeros((0, self.num_classes), np.int64)
-
-    def measured_r(self, labels: torch.Tensor) -> float:
-        """The non-iid level R (Zhang et al. Eq. 1) of the clients' class distributions.
-
-        Parameters
-        ----------
-        labels : torch.Tensor
-            The train labels.
-
-        Returns
-        -------
-        float
-            :func:`non_iid_level` of :meth:`class_histograms` (all of each client's samples).
-        """
-        return non_iid_level(self.class_histograms(labels, "all"))
-
-
-def non_iid_level(histograms: np.ndarray) -> float:
-    """Zhang et al. Eq. 1: the mean pairwise total-variation distance of the clients' class distributions.
-
-    ``R = 2 / (K (K - 1)) * sum_{k < m} ||P_k - P_m||_1 / 2`` with ``P_k`` the normalised row k.
-
-    Parameters
-    ----------
-    histograms : numpy.ndarray
-        ``(K, d)`` non-negative class counts (or probabilities), one row per client. Rows that sum
-        to zero (clients without data) are left out.
-
-    Returns
-    -------
-    float
-        R in ``[0, 1]``; 0 when fewer than two clients have data.
-    """
-    h = np.asarray(histograms, dtype=np.float64)
-    h = h[h.sum(axis=1) > 0]
-    k = h.shape[0]
-    if k < 2:
-        return 0.0
-    p = h / h.sum(axis=1, keepdims=True)
-    tv_sum = sum(float(np.abs(p[i + 1 :] - p[i]).sum()) / 2.0 for i in range(k - 1))
-    return 2.0 / (k * (k - 1)) * tv_sum
 
 
 def largest_remainder(targets: np.ndarray, total: int, rng: np.random.Generator | None = None) -> np.ndarray:
@@ -300,12 +173,6 @@ def largest_remainder(targets: np.ndarray, total: int, rng: np.random.Generator 
 # --------------------------------------------------------------------------------------------
 
 
-def _as_numpy_labels(labels: torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(labels, torch.Tensor):
-        labels = labels.detach().cpu().numpy()
-    return np.asarray(labels, dtype=np.int64).reshape(-1)
-
-
 def balanced_counts(total: int, num_classes: int) -> np.ndarray:
     """``total // d`` per class, the remainder spread one each over the first classes."""
     counts = np.full(num_classes, total // num_classes, dtype=np.int64)
@@ -313,125 +180,32 @@ def balanced_counts(total: int, num_classes: int) -> np.ndarray:
     return counts
 
 
-def check_method_options(
-    *,
-    method: str,
-    scenario: str,
-    classes_per_client: int = 2,
-    client_label_ratio: float = 0.0,
-    imbalance_strength: float = 1.0,
-    num_stages: int = 10,
-    rounds_per_stage: int = 10,
-    rich_client_fraction: float = 0.1,
-    rich_label_ratio: float = 0.55,
-    poor_label_ratio: float = 0.05,
-    num_classes: int | None = None,
-) -> None:
-    """Check the options of the FedMatch / FedSiam methods, and that they go with the method and scenario.
-
-    Data-independent (the config validation calls it too); ``num_classes`` None skips the check
-    of ``classes_per_client`` against the number of classes.
-
-    Raises
-    ------
-    ValueError
-        Naming the config key(s) and the fix.
-    """
-    for key, value in (
-        ("client_label_ratio", client_label_ratio),
-        ("imbalance_strength", imbalance_strength),
-        ("rich_client_fraction", rich_client_fraction),
-        ("rich_label_ratio", rich_label_ratio),
-        ("poor_label_ratio", poor_label_ratio),
-    ):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"data_args.{key} must be in [0, 1], got {value}")
-    for key, value in (("num_stages", num_stages), ("rounds_per_stage", rounds_per_stage)):
-        if value < 1:
-            raise ValueError(f"data_args.{key} must be >= 1, got {value}")
-    if method in CLIENT_ONLY_METHODS and scenario != "client":
-        raise ValueError(
-            f"data_args.partition_method {method!r} is a labels-at-client setting (FedSiam "
-            f"{'Non-IID-II' if method == 'noniid_2' else 'Non-IID-III'}); set data_args.label_scenario: client. "
-            "For FedSiam's labels-at-server non-IID setting (2 classes of unlabeled data per client) use "
-            "partition_method noniid_1 (exactly 2 distinct classes) or shards, with data_args.classes_per_client: 2"
-        )
-    if client_label_ratio > 0:
-        if scenario != "client":
-            raise ValueError(
-                "data_args.client_label_ratio (gamma, the labeled fraction of each client's data) needs "
-                "data_args.label_scenario: client; with labels at the server set data_args.num_server_labels "
-                "(gamma * N) instead and data_args.client_label_ratio: 0"
-            )
-        if method in IMBALANCED_METHODS:
-            raise ValueError(
-                f"data_args.client_label_ratio is not used by FedMatch's {method!r}: its clients hold "
-                "data_args.labels_per_class_client labels per class; set data_args.client_label_ratio: 0"
-            )
-        if method == "noniid_3":
-            raise ValueError(
-                "data_args.client_label_ratio is not used by 'noniid_3', whose clients label "
-                "data_args.rich_label_ratio or data_args.poor_label_ratio of their data; "
-                "set data_args.client_label_ratio: 0"
-            )
-    if method in CLASS_SET_METHODS and num_classes is not None and classes_per_client > num_classes:
-        raise ValueError(
-            f"data_args.classes_per_client ({classes_per_client}) exceeds the {num_classes} classes; "
-            f"{method!r} gives each client that many distinct classes, so use at most {num_classes}"
-        )
-
-
-def _validate(
-    n: int,
-    num_classes: int,
-    num_clients: int,
-    scenario: str,
-    method: str,
-    num_server_labels: int,
-    num_server_val: int,
-    non_iid_r: float,
-    alpha: float,
-    classes_per_client: int,
-    labels_per_class_client: int,
-    **method_options: float,
-) -> None:
+def _validate(n: int, num_classes: int, num_clients: int, options: PartitionOptions) -> None:
     """Raise ValueError naming the config key for any impossible argument."""
+    o = options
     if num_clients < 1:
         raise ValueError(f"train_args.client_num_in_total must be >= 1, got {num_clients}")
-    if scenario not in SCENARIOS:
+    if o.label_scenario not in SCENARIOS:
         raise ValueError(
-            f"data_args.label_scenario: {scenario!r} is not one of {SCENARIOS} "
+            f"data_args.label_scenario: {o.label_scenario!r} is not one of {SCENARIOS} "
             "(server = labels-at-server, client = labels-at-client)"
         )
-    if method not in METHODS:
-        raise ValueError(f"data_args.partition_method: unknown method {method!r}; use one of {METHODS}")
-    if num_server_labels < 0 or num_server_val < 0:
+    method_info(o.partition_method)
+    if o.num_server_labels < 0 or o.num_server_val < 0:
         raise ValueError("data_args.num_server_labels and data_args.num_server_val must be >= 0")
-    if scenario == "server" and num_server_labels == 0:
+    if o.label_scenario == "server" and o.num_server_labels == 0:
         raise ValueError("data_args.num_server_labels must be > 0 when data_args.label_scenario is 'server'")
-    if num_server_labels + num_server_val > n:
+    if o.num_server_labels + o.num_server_val > n:
         raise ValueError(
-            f"data_args.num_server_labels ({num_server_labels}) + "
-            f"data_args.num_server_val ({num_server_val}) exceed the {n} training samples; "
+            f"data_args.num_server_labels ({o.num_server_labels}) + "
+            f"data_args.num_server_val ({o.num_server_val}) exceed the {n} training samples; "
             f"lower them to at most {n} together"
         )
-    if method == "r" and not 0.0 <= non_iid_r <= 1.0:
-        raise ValueError(f"data_args.non_iid_r must be in [0, 1], got {non_iid_r}")
-    if method == "dirichlet" and not alpha > 0:
-        raise ValueError(f"data_args.partition_alpha must be > 0, got {alpha}")
-    if method in ("shards", *CLASS_SET_METHODS) and classes_per_client < 1:
-        raise ValueError(f"data_args.classes_per_client must be >= 1, got {classes_per_client}")
-    if labels_per_class_client < 0:
-        raise ValueError(f"data_args.labels_per_class_client must be >= 0, got {labels_per_class_client}")
+    if o.labels_per_class_client < 0:
+        raise ValueError(f"data_args.labels_per_class_client must be >= 0, got {o.labels_per_class_client}")
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    check_method_options(
-        method=method,
-        scenario=scenario,
-        classes_per_client=classes_per_client,
-        num_classes=num_classes,
-        **method_options,
-    )
+    o.check(num_classes)
 
 
 def _class_pools(y: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -791,52 +565,220 @@ def _as_index(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.sort(np.asarray(array, dtype=np.int64)))
 
 
+# --------------------------------------------------------------------------------------------
+# one function per row of partition_methods.METHOD_TABLE
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientPools:
+    """What a partition method shares among the clients: the classes left after the server's sets.
+
+    Attributes
+    ----------
+    pools : list of numpy.ndarray
+        Per class, the int64 indices left, in random order.
+    y : numpy.ndarray
+        The train labels the indices point into.
+    num_clients : int
+        K.
+    rng : numpy.random.Generator
+        The split's stream, ``numpy_rng(seed, "partition")``, already past the class shuffles.
+    labels_at_client : bool
+        Whether the clients also get labeled sets (``data_args.label_scenario: client``).
+    """
+
+    pools: list[np.ndarray]
+    y: np.ndarray
+    num_clients: int
+    rng: np.random.Generator
+    labels_at_client: bool
+
+
+Parts = tuple[list[np.ndarray], list[np.ndarray]]
+"""Per client, the labeled and the unlabeled index arrays."""
+MethodFunction = Callable[[ClientPools, Any], Parts]
+"""``(pools, method options) -> (labeled, unlabeled)``; the options are the row's options class."""
+
+_FUNCTIONS: dict[str, MethodFunction] = {}
+
+
+def implements(*names: str) -> Callable[[MethodFunction], MethodFunction]:
+    """Decorator: the function builds the split of the methods ``names`` (rows of ``METHOD_TABLE``)."""
+
+    def register(fn: MethodFunction) -> MethodFunction:
+        for name in names:
+            method_info(name)  # a row must exist
+            if name in _FUNCTIONS:
+                raise ValueError(f"partition method {name!r} is implemented twice")
+            _FUNCTIONS[name] = fn
+        return fn
+
+    return register
+
+
+def _no_labels(k: int) -> list[np.ndarray]:
+    return [np.zeros(0, np.int64) for _ in range(k)]
+
+
+def _label_parts(data: ClientPools, parts: list[np.ndarray], ratios: list[float | None], per_class: int) -> Parts:
+    """Split each client's part into (labeled, unlabeled), client by client.
+
+    Client j labels ``round_half_up(ratios[j] * n_j)`` of its ``n_j`` samples, stratified by class
+    (:func:`_ratio_quota`), or ``per_class`` of every class it holds where ``ratios[j]`` is None.
+    """
+    pairs = []
+    for part, ratio in zip(parts, ratios):
+        if ratio is None:
+            quota = per_class
+        else:
+            quota = _ratio_quota(part, data.y, len(data.pools), round_half_up(ratio * len(part)), data.rng)
+        pairs.append(_split_labeled(part, data.y, quota, data.rng))
+    return [lab for lab, _ in pairs], [unl for _, unl in pairs]
+
+
+def _then_label(data: ClientPools, parts: list[np.ndarray], options: LabelOptions) -> Parts:
+    """The clients' parts as unlabeled data, labeled at the clients as ``options`` say.
+
+    Labels at the server: no client labels. At the clients: ``client_label_ratio`` gamma > 0 of
+    each client's data (stratified by class), else ``labels_per_class_client`` per class.
+    """
+    if not data.labels_at_client:
+        return _no_labels(len(parts)), parts
+    gamma = options.client_label_ratio
+    ratios = [gamma if gamma > 0 else None] * data.num_clients
+    return _label_parts(data, parts, ratios, options.labels_per_class_client)
+
+
+@implements("iid", "batch_iid")
+def _iid(data: ClientPools, options: LabelOptions) -> Parts:
+    """``iid`` / FedMatch's ``batch_iid``: shuffle and deal evenly."""
+    return _then_label(data, _partition_iid(data.pools, data.num_clients, data.rng), options)
+
+
+@implements("r")
+def _r(data: ClientPools, options: ROptions) -> Parts:
+    """Zhang et al. Appendix A.2 (see :func:`r_targets`), rounded per class by largest remainder.
+
+    Each class's counts sum to what is available. With K = d and balanced data the measured R
+    equals the requested R up to rounding (each client's distribution is ``R [i = j] + (1 - R) q_i``,
+    so every pair is at total-variation distance R). With K > d, clients sharing a main class have
+    identical distributions, so the measured R is R times the fraction of client pairs with
+    different main classes; with K < d, the main-class share ``R n_j`` of the classes that are
+    nobody's main class is left unassigned (see :func:`r_targets`) and the measured R comes out
+    below R. Always report :meth:`Split.measured_r`.
+    """
+    parts = _partition_r(data.pools, data.num_clients, data.rng, options.non_iid_r)
+    return _then_label(data, parts, options)
+
+
+@implements("dirichlet")
+def _dirichlet(data: ClientPools, options: DirichletOptions) -> Parts:
+    """Per class, proportions over clients ~ Dir(alpha)."""
+    parts = _partition_dirichlet(data.pools, data.num_clients, data.rng, options.partition_alpha)
+    return _then_label(data, parts, options)
+
+
+@implements("shards")
+def _shards(data: ClientPools, options: ShardsOptions) -> Parts:
+    """Single-class shards, ``classes_per_client`` per client (never more classes)."""
+    parts = _partition_shards(data.pools, data.num_clients, data.rng, options.classes_per_client)
+    return _then_label(data, parts, options)
+
+
+@implements("batch_noniid", "streaming_noniid")
+def _imbalanced(data: ClientPools, options: ImbalancedOptions) -> Parts:
+    """FedMatch's class-imbalanced clients (:func:`imbalance_weights`).
+
+    Labels at the clients: ``labels_per_class_client`` per class per client, taken before the
+    imbalanced unlabeled split (the authors' code). ``streaming_noniid`` is the same split; its
+    row's streaming flag makes :func:`build_split` cut the unlabeled data into stages.
+    """
+    k = data.num_clients
+    if data.labels_at_client:
+        labeled, pools = _take_per_class_labels(data.pools, k, options.labels_per_class_client)
+    else:
+        labeled, pools = _no_labels(k), data.pools
+    return labeled, _partition_imbalanced(pools, k, data.rng, options.imbalance_strength)
+
+
+@implements("noniid_1")
+def _noniid_1(data: ClientPools, options: ClassSetOptions) -> Parts:
+    """FedSiam Non-IID-I: ``classes_per_client`` distinct classes per client (:func:`client_class_sets`)."""
+    sets = client_class_sets(data.num_clients, len(data.pools), options.classes_per_client, data.rng)
+    return _then_label(data, _partition_class_sets(data.pools, sets, data.rng), options)
+
+
+@implements("noniid_2")
+def _noniid_2_method(data: ClientPools, options: ClassSetOptions) -> Parts:
+    """FedSiam Non-IID-II (labels at the clients only), see :func:`_noniid_2`."""
+    return _noniid_2(
+        data.pools,
+        data.y,
+        data.num_clients,
+        data.rng,
+        options.classes_per_client,
+        options.labels_per_class_client,
+        options.client_label_ratio,
+    )
+
+
+@implements("noniid_3")
+def _noniid_3(data: ClientPools, options: RichPoorOptions) -> Parts:
+    """FedSiam Non-IID-III (labels at the clients only): stratified iid, then label-rich and -poor clients.
+
+    ``round_half_up(rich_client_fraction * K)`` clients, drawn at random, label ``rich_label_ratio``
+    of their data and the others ``poor_label_ratio``, stratified by class.
+    """
+    k = data.num_clients
+    parts = _deal_stratified(data.pools, k, data.rng)
+    rich = set(data.rng.choice(k, round_half_up(options.rich_client_fraction * k), replace=False).tolist())
+    ratios = [options.rich_label_ratio if j in rich else options.poor_label_ratio for j in range(k)]
+    return _label_parts(data, parts, ratios, per_class=0)
+
+
+@dataclass(frozen=True)
+class PartitionMethod:
+    """A row of the table with its function: what :func:`build_split` dispatches on."""
+
+    info: MethodInfo
+    function: MethodFunction
+
+
+def _bind() -> dict[str, PartitionMethod]:
+    missing = [m.name for m in METHOD_TABLE if m.name not in _FUNCTIONS]
+    if missing:
+        raise ImportError(f"partition methods {missing} have a row in METHOD_TABLE but no @implements function")
+    return {m.name: PartitionMethod(m, _FUNCTIONS[m.name]) for m in METHOD_TABLE}
+
+
+PARTITION_METHODS: dict[str, PartitionMethod] = _bind()
+"""Every partition method by name: its row of ``METHOD_TABLE`` and its function."""
+
+
+# --------------------------------------------------------------------------------------------
+# the split
+# --------------------------------------------------------------------------------------------
+
+
 def build_split(
     labels: torch.Tensor,
     num_classes: int,
+    options: PartitionOptions,
     *,
     num_clients: int,
     seed: int,
-    scenario: str = "server",
-    num_server_labels: int = 50,
-    num_server_val: int = 0,
-    method: str = "iid",
-    non_iid_r: float = 0.4,
-    alpha: float = 0.5,
-    classes_per_client: int = 2,
-    labels_per_class_client: int = 5,
-    client_label_ratio: float = 0.0,
-    imbalance_strength: float = 1.0,
-    num_stages: int = 10,
-    rounds_per_stage: int = 10,
-    rich_client_fraction: float = 0.1,
-    rich_label_ratio: float = 0.55,
-    poor_label_ratio: float = 0.05,
 ) -> Split:
     """Share a training set between the server and ``num_clients`` clients.
 
-    Steps: the server's labeled set (``N_s / d`` per class, remainder to the first classes), the
-    server validation set (balanced the same way, disjoint), then the rest among the clients:
-
-    - ``"iid"`` (and ``"batch_iid"``): shuffle and deal evenly.
-    - ``"r"``: Zhang et al. Appendix A.2 (see :func:`r_targets`), rounded per class by largest
-      remainder so each class's counts sum to what is available. With K = d and balanced data the
-      measured R equals the requested R up to rounding (each client's distribution is
-      ``R [i = j] + (1 - R) q_i``, so every pair is at total-variation distance R). With K > d,
-      clients sharing a main class have identical distributions, so the measured R is R times the
-      fraction of client pairs with different main classes; with K < d, the main-class share
-      ``R n_j`` of the classes that are nobody's main class is left unassigned (see
-      :func:`r_targets`) and the measured R comes out below R. Always report
-      :meth:`Split.measured_r`.
-    - ``"dirichlet"``: per class, proportions over clients ~ Dir(alpha).
-    - ``"shards"``: single-class shards, ``classes_per_client`` per client (never more classes).
-    - ``"batch_noniid"`` / ``"streaming_noniid"``: FedMatch's class-imbalanced clients
-      (:func:`imbalance_weights`); streaming adds ``num_stages`` release stages per client.
-    - ``"noniid_1"`` / ``"noniid_2"`` / ``"noniid_3"``: FedSiam's Non-IID-I/II/III.
+    Steps (Zhang et al. Appendix A.2): the server's labeled set (``N_s / d`` per class, remainder
+    to the first classes), the server validation set (balanced the same way, disjoint), then the
+    rest among the clients by the function of ``options.partition_method``
+    (:data:`PARTITION_METHODS`), which also draws the clients' labeled sets in the
+    labels-at-client scenario. A streaming method's unlabeled sets are then cut into stages.
 
     See the module docstring for each method in full and for how the labels-at-client labeled
-    sets are drawn (``labels_per_class_client`` per class, or ``client_label_ratio`` of each
-    client's data).
+    sets are drawn.
 
     Parameters
     ----------
@@ -844,35 +786,14 @@ def build_split(
         int64 train labels ``(N,)``.
     num_classes : int
         d.
+    options : PartitionOptions
+        The ``data_args`` partition keys (:func:`fedml_ssfl.config.partition_options` builds them
+        from a config): label scenario, server set sizes, method and its options.
     num_clients : int
         K (``train_args.client_num_in_total``).
     seed : int
-        Run seed; randomness comes from ``numpy_rng(seed, "partition")``.
-    scenario : {"server", "client"}
-        Labels-at-server or labels-at-client (``data_args.label_scenario``).
-    num_server_labels : int
-        N_s; 0 is allowed in the labels-at-client scenario only.
-    num_server_val : int
-        Size of the server validation set.
-    method : str
-        Client partition method, one of :data:`METHODS`.
-    non_iid_r : float
-        R in ``[0, 1]`` for method ``"r"``.
-    alpha : float
-        Dirichlet concentration.
-    classes_per_client : int
-        Shards per client (``"shards"``); distinct classes per client (``"noniid_1"``, ``"noniid_2"``).
-    labels_per_class_client : int
-        Labeled samples per class per client (labels-at-client, ``client_label_ratio`` 0).
-    client_label_ratio : float
-        FedSiam's gamma: the labeled fraction of each client's data (labels-at-client); 0 uses
-        ``labels_per_class_client``.
-    imbalance_strength : float
-        s in ``[0, 1]`` for the FedMatch imbalanced methods (1: the authors' profile).
-    num_stages, rounds_per_stage : int
-        Streaming: T stages, stage s released at round ``s * rounds_per_stage``.
-    rich_client_fraction, rich_label_ratio, poor_label_ratio : float
-        ``"noniid_3"``: the fraction of label-rich clients and the two label ratios.
+        Run seed; randomness comes from ``numpy_rng(seed, "partition")`` (and ``numpy_rng(seed,
+        "partition", "stages")`` for the stages).
 
     Returns
     -------
@@ -884,107 +805,37 @@ def build_split(
     ValueError
         An impossible combination; the message names the config key.
     """
-    y = _as_numpy_labels(labels)
-    options = dict(
-        client_label_ratio=client_label_ratio,
-        imbalance_strength=imbalance_strength,
-        num_stages=num_stages,
-        rounds_per_stage=rounds_per_stage,
-        rich_client_fraction=rich_client_fraction,
-        rich_label_ratio=rich_label_ratio,
-        poor_label_ratio=poor_label_ratio,
-    )
-    _validate(
-        len(y),
-        num_classes,
-        num_clients,
-        scenario,
-        method,
-        num_server_labels,
-        num_server_val,
-        non_iid_r,
-        alpha,
-        classes_per_client,
-        labels_per_class_client,
-        **options,
-    )
+    o = options
+    y = as_numpy_labels(labels)
+    _validate(len(y), num_classes, num_clients, o)
+    method = PARTITION_METHODS[o.partition_method]
     rng = numpy_rng(seed, "partition")
     pools = _class_pools(y, num_classes, rng)
-    server, pools = _take_balanced(pools, num_server_labels, "data_args.num_server_labels")
-    val, pools = _take_balanced(pools, num_server_val, "data_args.num_server_val")
+    server, pools = _take_balanced(pools, o.num_server_labels, "data_args.num_server_labels")
+    val, pools = _take_balanced(pools, o.num_server_val, "data_args.num_server_val")
     pools = [p.astype(np.int64) for p in pools]
-    k = num_clients
-    client = scenario == "client"
-    if method in IMBALANCED_METHODS:
-        if client:
-            lab_parts, pools = _take_per_class_labels(pools, k, labels_per_class_client)
-        else:
-            lab_parts = [np.zeros(0, np.int64) for _ in range(k)]
-        unl_parts = _partition_imbalanced(pools, k, rng, imbalance_strength)
-    elif method == "noniid_2":
-        lab_parts, unl_parts = _noniid_2(
-            pools, y, k, rng, classes_per_client, labels_per_class_client, client_label_ratio
-        )
-    else:
-        parts = _client_parts(pools, k, rng, method, non_iid_r, alpha, classes_per_client)
-        if not client:
-            lab_parts, unl_parts = [np.zeros(0, np.int64) for _ in parts], parts
-        else:
-            if method == "noniid_3":
-                rich = set(rng.choice(k, round_half_up(rich_client_fraction * k), replace=False).tolist())
-                ratios = [rich_label_ratio if j in rich else poor_label_ratio for j in range(k)]
-            else:
-                ratios = [client_label_ratio] * k
-            pairs = []
-            for part, ratio in zip(parts, ratios):
-                if ratio > 0 or method == "noniid_3":
-                    quota = _ratio_quota(part, y, num_classes, round_half_up(ratio * len(part)), rng)
-                else:
-                    quota = labels_per_class_client
-                pairs.append(_split_labeled(part, y, quota, rng))
-            lab_parts, unl_parts = [lab for lab, _ in pairs], [unl for _, unl in pairs]
+    method_options = method.info.options.of(o)
+    data = ClientPools(pools, y, num_clients, rng, labels_at_client=o.label_scenario == "client")
+    lab_parts, unl_parts = method.function(data, method_options)
     stages = None
-    if method in STREAMING_METHODS:
+    if method.info.streaming:
         stage_rng = numpy_rng(seed, "partition", "stages")
-        staged = [_assign_stages(u, num_stages, stage_rng) for u in unl_parts]
+        staged = [_assign_stages(u, o.num_stages, stage_rng) for u in unl_parts]
         unlabeled = [torch.from_numpy(u) for u, _ in staged]
         stages = [torch.from_numpy(s) for _, s in staged]
     else:
         unlabeled = [_as_index(u) for u in unl_parts]
+    requested_r = getattr(method_options, "non_iid_r", None)
     return Split(
         server_labeled=_as_index(server),
         server_val=_as_index(val),
         client_unlabeled=unlabeled,
         client_labeled=[_as_index(lab) for lab in lab_parts],
         num_classes=num_classes,
-        requested_r=float(non_iid_r) if method == "r" else None,
-        method=method,
-        scenario=scenario,
+        requested_r=float(requested_r) if requested_r is not None else None,
+        method=o.partition_method,
+        scenario=o.label_scenario,
         client_stages=stages,
-        num_stages=num_stages if stages is not None else 0,
-        rounds_per_stage=rounds_per_stage,
+        num_stages=o.num_stages if stages is not None else 0,
+        rounds_per_stage=o.rounds_per_stage,
     )
-
-
-def _client_parts(
-    pools: list[np.ndarray],
-    k: int,
-    rng: np.random.Generator,
-    method: str,
-    non_iid_r: float,
-    alpha: float,
-    classes_per_client: int,
-) -> list[np.ndarray]:
-    """Dispatch to the partition method (those that split all of each client's data at once)."""
-    pools = [p.astype(np.int64) for p in pools]
-    if method in ("iid", "batch_iid"):
-        return _partition_iid(pools, k, rng)
-    if method == "noniid_3":
-        return _deal_stratified(pools, k, rng)
-    if method == "r":
-        return _partition_r(pools, k, rng, non_iid_r)
-    if method == "dirichlet":
-        return _partition_dirichlet(pools, k, rng, alpha)
-    if method == "noniid_1":
-        return _partition_class_sets(pools, client_class_sets(k, len(pools), classes_per_client, rng), rng)
-    return _partition_shards(pools, k, rng, classes_per_client)
