@@ -448,7 +448,7 @@ def test_strangers_are_refused_naming_what_differs(tmp_path):
     connect timeout, naming them."""
     cfg = grpc_config(tmp_path, 3, "train_args.comm_round=2")
     (tmp_path / "other.key").write_text("o" * 64)
-    environ = env(FEDML_SSFL_CONNECT_TIMEOUT="20")
+    environ = env(FEDML_SSFL_CONNECT_TIMEOUT="45")  # above any start-up time on a loaded 2-core machine
     base = [str(CLI), "run", "--cf", str(tmp_path / "c.yaml")]
     extra = {
         1: ["--set", f"comm_args.job_key_file={tmp_path / 'other.key'}"],

@@ -346,7 +346,10 @@ class SSFLClientManager(ClientMasterManager):
             reason = None
             if idle > self.limits.idle:
                 reason = f"heard nothing from the server (rank 0) for {idle:.0f} s (FEDML_SSFL_IDLE_TIMEOUT)"
-            elif self.is_inited and idle > self.limits.probe and now - last_probe >= self.limits.probe:
+            # before the first round the server may wait for other ranks (up to the connect timeout)
+            waited = self.limits.probe if self.is_inited else self.limits.connect
+            probe_due = idle > waited and now - last_probe >= self.limits.probe
+            if reason is None and probe_due:
                 last_probe = now
                 failures = 0 if grpc_reachable(self.com_manager, 0) else failures + 1
                 if failures >= 2:
