@@ -190,7 +190,7 @@ def resolve_local_steps(cfg: ExperimentConfig, split: Split | None = None) -> in
         ``epochs > 0`` with no split to size the clients' data, naming ``train_args.local_steps``.
     """
     t = cfg.train_args
-    epochs = getattr(t, "epochs", 0)
+    epochs = t.epochs
     if epochs <= 0:
         return t.local_steps
     sizes = [len(u) + len(lab) for u, lab in zip(split.client_unlabeled, split.client_labeled)] if split else []

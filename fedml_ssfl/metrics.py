@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .algorithms.base import DataInfo
+from .contract import DataInfo
 from .training import InputPipeline
 
 

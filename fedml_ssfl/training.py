@@ -1,18 +1,24 @@
-"""Training pieces every algorithm shares: batches, inputs, optimiser, the Eq. 9 schedule.
+"""Training pieces every algorithm shares: batches, inputs, optimiser, the Eq. 9 schedule, the step loop.
 
-Also FedProx's proximal term and the FixMatch / UDA local step loop of the naive FL+SSL
-baselines (:func:`proximal_term`, :func:`semi_supervised_steps`).
+:func:`run_steps` is the one local-step loop: it sets the learning rate, runs an algorithm's
+step function (its losses from its batch), checks the loss is finite, takes the optimiser step
+(``zero_grad``, ``backward``, optional gradient clipping, ``step``) and averages the step's
+metrics, pseudo-label accuracy included. Every algorithm's client and server training goes
+through it; :func:`supervised_steps` is the server's (and the supervised baselines') fine-tune on
+labeled data, written once on top of it. Also FedProx's proximal term (:func:`proximal_term`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from .algorithms.base import DataInfo, TrainSettings
+from .contract import DataInfo, TrainSettings, check_finite
 from .data.augment import normalize, strong_augment, to_float, weak_augment
 from .ssl.pseudo_label import PseudoLabels, label_hits
 
@@ -162,6 +168,177 @@ def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
+@dataclass
+class Step:
+    """What an algorithm's step function returns for one local step.
+
+    Attributes
+    ----------
+    loss : torch.Tensor
+        The scalar to minimise (with gradient).
+    metrics : dict[str, torch.Tensor or float]
+        Diagnostics to average over the steps (tensors are read detached), e.g. the loss's terms
+        or ``mask_rate``.
+    pseudo : PseudoLabels, optional
+        The step's pseudo-labels; with ``truth`` their accuracy where kept is pooled over the
+        steps into ``pseudo_acc`` (a diagnostic: ``truth`` never reaches the loss).
+    truth : torch.Tensor, optional
+        The true labels of the pseudo-labelled samples (-1 where unknown, not counted).
+    """
+
+    loss: torch.Tensor
+    metrics: Mapping[str, torch.Tensor | float] = field(default_factory=dict)
+    pseudo: PseudoLabels | None = None
+    truth: torch.Tensor | None = None
+
+
+@dataclass
+class Phase:
+    """An optimiser and the step function whose loss it minimises, once per local step.
+
+    ``step(item)`` gets the loop's item (the step index, or a batch when the loop runs over
+    batches) and returns a :class:`Step`, or None to skip this optimiser this step. Its loss is
+    averaged under ``loss_name``; ``clip_norm > 0`` clips the gradient's norm over the
+    optimiser's parameters before the step.
+    """
+
+    optimizer: torch.optim.Optimizer
+    step: Callable[[Any], Step | None]
+    loss_name: str = "loss"
+    clip_norm: float = 0.0
+
+
+class MetricMeans:
+    """Step sums of named metrics and pooled pseudo-label hits; :meth:`result` averages them."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.correct = 0
+        self.counted = 0
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        """Add one step's ``value`` (a tensor is read detached) to the sum of ``name``."""
+        value = float(value.detach()) if isinstance(value, torch.Tensor) else value
+        self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def add_step(self, loss_name: str, out: Step) -> None:
+        """Add a :class:`Step`: its loss under ``loss_name``, its metrics, its pseudo-label hits."""
+        self.add(loss_name, out.loss)
+        for name, value in out.metrics.items():
+            self.add(name, value)
+        if out.pseudo is not None and out.truth is not None:
+            hit, counted = label_hits(out.pseudo.labels, out.truth, out.pseudo.mask)
+            self.correct, self.counted = self.correct + hit, self.counted + counted
+
+    def result(self, steps: int) -> dict[str, float]:
+        """The step means, and ``pseudo_acc`` (kept pseudo-labels that were right) when any counted."""
+        out = {k: v / steps for k, v in self.sums.items()}
+        if self.counted:
+            out["pseudo_acc"] = self.correct / self.counted
+        return out
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, loss: torch.Tensor, round_idx: int, party: str, clip_norm: float = 0.0
+) -> None:
+    """One optimisation step on ``loss``: finiteness check, ``zero_grad``, ``backward``, clip, ``step``.
+
+    Raises
+    ------
+    NonFiniteLossError
+        When ``loss`` is NaN or infinite (nothing is changed then).
+    """
+    check_finite(loss, round_idx, party)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip_norm > 0:
+        nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip_norm)
+    optimizer.step()
+
+
+def run_steps(
+    phases: Phase | Sequence[Phase],
+    steps: int | Iterable[Any],
+    train: TrainSettings,
+    round_idx: int,
+    party: str,
+    lr: Callable[[int], float] | str = "train",
+    after_step: Callable[[int], None] | None = None,
+    count_as: str | None = None,
+) -> dict[str, float]:
+    """The local-step loop every algorithm trains with; returns the step means of its metrics.
+
+    For each step ``s`` (``steps`` of them, or one per item of an iterable, e.g. a client's epoch
+    batches, consumed lazily) and each phase in order: set the phase's learning rate, call its
+    step function, and take an :func:`optimizer_step` on the loss it returns. After the phases,
+    ``after_step(s)`` (e.g. an EMA update). A step in which every phase returned None is not
+    counted.
+
+    Parameters
+    ----------
+    phases : Phase or sequence of Phase
+        One optimiser and step function, or several run one after the other each step (e.g.
+        FedMatch's sigma and psi).
+    steps : int or iterable
+        The number of steps (the step function gets the index), or the items to step over.
+    train : TrainSettings
+        The schedule's settings.
+    round_idx : int
+        The round (for the schedule and the error message of a non-finite loss).
+    party : str
+        Who trains, for the error message ("client 3", "the server").
+    lr : callable or str
+        ``"train"`` (default): Zhang et al. Eq. 9, :func:`cosine_lr` at the global local step
+        ``round_idx * T + s``; a callable: ``lr(s)``; ``"optimizer"``: leave the rate the
+        optimiser holds (a per-round constant the algorithm set).
+    after_step : callable, optional
+        Called with ``s`` after the step's optimiser steps.
+    count_as : str, optional
+        Also report the number of counted steps (a float) under this name.
+
+    Returns
+    -------
+    dict[str, float]
+        Means over the counted steps of each phase's loss (under its ``loss_name``), of every
+        metric the steps returned, and ``pseudo_acc`` (pooled over the steps) when any
+        pseudo-label with a known truth was kept.
+
+    Raises
+    ------
+    NonFiniteLossError
+        When a loss is NaN or infinite.
+    """
+    if lr not in ("train", "optimizer") and not callable(lr):
+        raise ValueError(f"run_steps: lr must be 'train', 'optimizer' or a callable, got {lr!r}")
+    phases = [phases] if isinstance(phases, Phase) else list(phases)
+    items = range(steps) if isinstance(steps, int) else steps
+    means = MetricMeans()
+    taken = 0
+    for s, item in enumerate(items):
+        if lr == "optimizer":
+            rate = None
+        else:
+            rate = lr(s) if callable(lr) else cosine_lr(train, round_idx * train.local_steps + s)
+        took = False
+        for phase in phases:
+            if rate is not None:
+                set_lr(phase.optimizer, rate)
+            out = phase.step(item)
+            if out is None:
+                continue
+            optimizer_step(phase.optimizer, out.loss, round_idx, party, phase.clip_norm)
+            means.add_step(phase.loss_name, out)
+            took = True
+        if took:
+            taken += 1
+            if after_step is not None:
+                after_step(s)
+    metrics = means.result(taken)
+    if count_as is not None:
+        metrics[count_as] = float(taken)
+    return metrics
+
+
 def supervised_steps(
     model: nn.Module,
     pipeline: InputPipeline,
@@ -176,34 +353,40 @@ def supervised_steps(
     augment: str = "weak",
     loss_weight: float = 1.0,
     optimizer: torch.optim.Optimizer | None = None,
+    batches: Iterable[torch.Tensor] | None = None,
+    clip_norm: float = 0.0,
+    after_step: Callable[[int], None] | None = None,
+    lr: Callable[[int], float] | str = "train",
 ) -> float:
     """T steps of cross-entropy on labeled data (Zhang et al. Eq. 2); returns the mean loss.
+
+    The supervised fine-tune, written once: the server's step of every algorithm that trains on
+    its labels, and the supervised baselines' clients. Each step draws a batch of ``idx``
+    (reshuffled passes, :class:`BatchStream`), or takes the next of ``batches`` when given (e.g.
+    SemiFL's epochs; ``steps`` is then unused).
 
     ``augment`` is ``weak`` (alpha(x)) or ``plain`` (the original images); ``loss_weight``
     multiplies the cross-entropy (FedMatch Table 4's lambda_s). The returned mean is of the
     weighted loss. ``optimizer`` (over ``model``'s parameters) replaces the fresh
     :func:`make_optimizer` SGD, e.g. one whose momentum persists across rounds; its learning
-    rate is set each step by :func:`cosine_lr` all the same.
+    rate is set each step by :func:`cosine_lr` all the same, unless ``lr`` says otherwise
+    (:func:`run_steps`). ``clip_norm`` and ``after_step`` are those of :class:`Phase` and
+    :func:`run_steps`.
     """
-    from .algorithms.base import check_finite
-
     steps = train.local_steps if steps is None else steps
     model.train()
     opt = make_optimizer(model, train) if optimizer is None else optimizer
-    stream = BatchStream(idx, train.batch_size, generator)
-    total = 0.0
-    for s in range(steps):
-        set_lr(opt, cosine_lr(train, round_idx * train.local_steps + s))
-        batch = next(stream)
+    if batches is None:
+        stream = BatchStream(idx, train.batch_size, generator)
+        batches = (next(stream) for _ in range(steps))
+
+    def step(batch: torch.Tensor) -> Step:
         x = pipeline.weak(images[batch], generator) if augment == "weak" else pipeline.plain(images[batch])
         y = labels[batch].to(pipeline.device)
-        loss = loss_weight * nn.functional.cross_entropy(model(x), y)
-        check_finite(loss, round_idx, party)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += float(loss.detach())
-    return total / max(steps, 1)
+        return Step(loss_weight * nn.functional.cross_entropy(model(x), y))
+
+    phase = Phase(opt, step, clip_norm=clip_norm)
+    return run_steps(phase, batches, train, round_idx, party, lr=lr, after_step=after_step).get("loss", 0.0)
 
 
 def proximal_term(model: nn.Module, global_weights: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
@@ -235,129 +418,3 @@ def proximal_term(model: nn.Module, global_weights: dict[str, torch.Tensor], mu:
         ref = global_weights[name].to(device=p.device, dtype=p.dtype)
         total = total + (p - ref).pow(2).sum()
     return 0.5 * mu * total
-
-
-def semi_supervised_steps(
-    model: nn.Module,
-    pipeline: InputPipeline,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    labeled_idx: torch.Tensor,
-    unlabeled_idx: torch.Tensor,
-    train: TrainSettings,
-    round_idx: int,
-    generator: torch.Generator,
-    party: str,
-    unlabeled_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, PseudoLabels]] | None = None,
-    lambda_u: float = 1.0,
-    unlabeled_batch_size: int | None = None,
-    labeled_loss: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
-    anchor: dict[str, torch.Tensor] | None = None,
-    mu: float = 0.0,
-    lambda_s: float = 1.0,
-    weak_view: str = "weak",
-) -> dict[str, float]:
-    """T local steps of ``lambda_s l_s + lambda_u l_u (+ FedProx term)``: FixMatch / UDA on one client.
-
-    Each step draws a labeled batch of ``batch_size`` (view ``weak_view``, target: its labels)
-    and an unlabeled batch of ``unlabeled_batch_size`` (default ``batch_size``) shown twice, as
-    the weak view and as A(u). ``weak_view`` is ``weak`` (flip-and-shift alpha, FixMatch) or
-    ``plain`` (the original images, as FedMatch's authors ran FixMatch and UDA, Appendix A.1).
-    All views go through the model in one forward pass, as in FixMatch's code, so normalisation
-    layers see one batch. ``unlabeled_loss(logits_strong, logits_weak)`` returns the unlabeled
-    loss and its pseudo-labels; the weak logits are handed over detached. A half with no samples
-    (or, for the unlabeled half, no ``unlabeled_loss``) is skipped. ``labeled_idx`` is the only
-    place labels are read for training; ``labels`` at ``unlabeled_idx`` only feed the
-    ``pseudo_acc`` diagnostic.
-
-    Parameters
-    ----------
-    labeled_loss : callable, optional
-        ``(logits, labels, step) -> loss`` with ``step = round_idx * T + s`` the global local
-        iteration (for UDA's TSA); default plain cross-entropy.
-    anchor, mu : dict, float
-        FedProx: add :func:`proximal_term` towards ``anchor`` (the round's global weights) with
-        coefficient ``mu``; skipped when ``anchor`` is None or ``mu == 0``.
-    lambda_s : float
-        Weight of the labeled loss (FedMatch Table 4: 10 for every method).
-
-    Returns
-    -------
-    dict[str, float]
-        Step means of ``loss``, ``loss_x`` (weighted by ``lambda_s``), ``loss_u``, ``mask_rate``,
-        ``prox`` (those that apply) and ``pseudo_acc`` (accuracy of the kept pseudo-labels, when
-        any was kept).
-
-    Raises
-    ------
-    ValueError
-        When neither half has anything to train on.
-    """
-    from .algorithms.base import check_finite
-
-    use_x = labeled_idx.numel() > 0
-    use_u = unlabeled_idx.numel() > 0 and unlabeled_loss is not None
-    if not (use_x or use_u):
-        raise ValueError(f"semi_supervised_steps: {party} has no labeled and no usable unlabeled samples")
-    device = pipeline.device
-    model.train()
-    opt = make_optimizer(model, train)
-    stream_x = BatchStream(labeled_idx, train.batch_size, generator) if use_x else None
-    if weak_view not in ("weak", "plain"):
-        raise ValueError(f"semi_supervised_steps: weak_view {weak_view!r} is not 'weak' or 'plain'")
-    view = pipeline.weak if weak_view == "weak" else (lambda imgs, gen: pipeline.plain(imgs))
-    stream_u = BatchStream(unlabeled_idx, unlabeled_batch_size or train.batch_size, generator) if use_u else None
-    prox_on = anchor is not None and mu != 0
-    if prox_on:
-        anchor = {k: v.to(device) for k, v in anchor.items()}
-    if labeled_loss is None:
-
-        def labeled_loss(logits: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
-            return nn.functional.cross_entropy(logits, y)
-
-    sums: dict[str, float] = {}
-    correct = kept = 0
-    steps = train.local_steps
-    for s in range(steps):
-        step = round_idx * train.local_steps + s
-        set_lr(opt, cosine_lr(train, step))
-        views, y, batch_u = [], None, None
-        if stream_x is not None:
-            batch_x = next(stream_x)
-            views.append(view(images[batch_x], generator))
-            y = labels[batch_x].to(device)
-        if stream_u is not None:
-            batch_u = next(stream_u)
-            views.append(view(images[batch_u], generator))
-            views.append(pipeline.strong(images[batch_u], generator))
-        logits = model(torch.cat(views))
-        parts: dict[str, torch.Tensor] = {}
-        n_x = 0
-        if y is not None:
-            n_x = y.numel()
-            parts["loss_x"] = lambda_s * labeled_loss(logits[:n_x], y, step)
-        pl = None
-        if batch_u is not None:
-            logits_weak, logits_strong = logits[n_x:].chunk(2)
-            parts["loss_u"], pl = unlabeled_loss(logits_strong, logits_weak.detach())
-        loss = parts.get("loss_x", torch.zeros((), device=device)) + lambda_u * parts.get(
-            "loss_u", torch.zeros((), device=device)
-        )
-        if prox_on:
-            parts["prox"] = proximal_term(model, anchor, mu)
-            loss = loss + parts["prox"]
-        check_finite(loss, round_idx, party)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-        for k, v in parts.items():
-            sums[k] = sums.get(k, 0.0) + float(v.detach())
-        if pl is not None:
-            sums["mask_rate"] = sums.get("mask_rate", 0.0) + pl.mask_rate
-            hit, counted = label_hits(pl.labels, labels[batch_u], pl.mask)
-            correct, kept = correct + hit, kept + counted
-    metrics = {k: v / steps for k, v in sums.items()}
-    if kept:
-        metrics["pseudo_acc"] = correct / kept
-    return metrics

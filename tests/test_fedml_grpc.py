@@ -321,7 +321,7 @@ REPLAYING_CLIENT = textwrap.dedent(
     import sys
     import grpc
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
-    from fedml_ssfl.runtime import security
+    from fedml_ssfl.runtime.fedml import security
     from fedml_ssfl.cli import main
 
     original, sent = security.Sealer.seal, []

@@ -25,7 +25,7 @@ from fedml_ssfl.config import ConfigError, validate
 from fedml_ssfl.models import build_model
 from fedml_ssfl.runtime.local import run_local
 from fedml_ssfl.ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
-from fedml_ssfl.training import InputPipeline
+from fedml_ssfl.training import InputPipeline, optimizer_step
 
 INFO = DataInfo(num_classes=3, in_channels=1, image_size=8, mean=(0.5,), std=(0.25,), flip=False)
 
@@ -436,9 +436,9 @@ def test_client_fix_set_is_the_confident_samples_of_the_received_model(monkeypat
     calls = []
     original = SemiFL._step
 
-    def spy(self, model, opt, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, *rest):
+    def spy(self, model, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, *rest):
         calls.append((fix_idx.clone(), y_fix.clone(), mix_idx.clone(), y_mix.clone()))
-        return original(self, model, opt, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, *rest)
+        return original(self, model, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, *rest)
 
     monkeypatch.setattr(SemiFL, "_step", spy)
     reply = algo.client_update(msg, data, {}, ctx)
@@ -472,9 +472,9 @@ def test_client_step_is_eq5_and_eq6() -> None:
     model = algo.scratch_model(weights, torch.device("cpu"))
     model.train()
     opt = algo.make_sgd(model, 0.1)
-    loss, got_lam = algo._step(
-        model, opt, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, torch.Generator().manual_seed(seed), 0, "t"
-    )
+    step = algo._step(model, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, torch.Generator().manual_seed(seed))
+    optimizer_step(opt, step.loss, 0, "t", algo.config.clip_norm)  # what the client's step loop does with it
+    loss, got_lam = float(step.loss.detach()), step.metrics["mix_lambda"]
     assert got_lam == lam
 
     ref = build_model("cnn28", num_classes=3, in_channels=1, image_size=8, norm="bn")

@@ -1,9 +1,15 @@
 """The algorithm contract shared by every SSFL method and both runtimes.
 
 An algorithm is a pure server side and a pure client side that talk only through
-:class:`Message` objects. Runtimes (``runtime/local.py``, ``runtime/fedml_backend.py``) sample
-clients, move messages, count bytes, evaluate, log and checkpoint; algorithms never import a
-runtime.
+:class:`Message` objects. Runtimes (``runtime/local.py``, ``runtime/fedml/``) sample clients,
+move messages, count bytes, evaluate, log and checkpoint; algorithms never import a runtime.
+
+The shared data types (:class:`Message`, :class:`ClientData`, :class:`ServerData`,
+:class:`DataInfo`, :class:`ClientContext`, :class:`TrainSettings`, :func:`check_finite`) live in
+:mod:`fedml_ssfl.contract`, the package's bottom layer, and are re-exported here. This module adds
+the two classes an algorithm subclasses: :class:`AlgorithmConfig` and :class:`Algorithm`, which
+declares the whole contract, every hook and flag a runtime or the config check reads, with its
+default.
 
 Round protocol, driven by the runtime::
 
@@ -19,184 +25,56 @@ Round protocol, driven by the runtime::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from .. import seeding
+from ..contract import (
+    DIAGNOSTIC_EXTRAS,
+    ClientContext,
+    ClientData,
+    DataInfo,
+    Message,
+    NonFiniteLossError,
+    ServerData,
+    TrainSettings,
+    check_finite,
+    message_nbytes,
+    tensor_nbytes,
+)
 
-
-@dataclass
-class Message:
-    """What travels between server and client, both ways.
-
-    Attributes
-    ----------
-    weights : dict[str, torch.Tensor]
-        Model tensors (dense, or sparse COO tensors for sparse deltas).
-    extras : dict[str, Any]
-        Anything else: thresholds, group id, FSM vectors, client metrics.
-    num_samples : int
-        Number of samples the sender trained on (for weighted averaging).
-    """
-
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)
-    num_samples: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        """True when the message carries no weights (e.g. a client with nothing to send)."""
-        return not self.weights
-
-
-def tensor_nbytes(t: torch.Tensor) -> int:
-    """Bytes a tensor occupies on the wire: values (+ indices when sparse)."""
-    if t.is_sparse:
-        t = t.coalesce()
-        return t.values().numel() * t.values().element_size() + t.indices().numel() * t.indices().element_size()
-    return t.numel() * t.element_size()
-
-
-def _value_nbytes(v: Any) -> int:
-    if isinstance(v, torch.Tensor):
-        return tensor_nbytes(v)
-    if isinstance(v, dict):
-        return sum(_value_nbytes(x) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return sum(_value_nbytes(x) for x in v)
-    if isinstance(v, (int, float, bool)):
-        return 8
-    if isinstance(v, str):
-        return len(v.encode())
-    return 0
-
-
-DIAGNOSTIC_EXTRAS = ("metrics", "eval_weights")
-"""``extras`` keys that are logging, not protocol: ``metrics`` (client diagnostics) and
-``eval_weights`` (a model a client hands to the simulator only so that it can be tested, e.g. the
-local-only baselines' private models). Neither is counted as communication."""
-
-
-def message_nbytes(msg: Message) -> int:
-    """Bytes of a message's payload: every tensor in ``weights`` and ``extras``.
-
-    Keys in :data:`DIAGNOSTIC_EXTRAS` are not counted: they are logging, not protocol.
-    """
-    extras = {k: v for k, v in msg.extras.items() if k not in DIAGNOSTIC_EXTRAS}
-    return sum(tensor_nbytes(t) for t in msg.weights.values()) + _value_nbytes(extras)
-
-
-@dataclass
-class ClientData:
-    """A client's view of the data: index arrays into the shared uint8 training tensor.
-
-    ``labels`` is the full label tensor; an algorithm may read ``labels[labeled_idx]`` for
-    training and ``labels[unlabeled_idx]`` only for diagnostics (pseudo-label accuracy), never
-    for training.
-    """
-
-    client_id: int
-    images: torch.Tensor
-    labels: torch.Tensor
-    unlabeled_idx: torch.Tensor
-    labeled_idx: torch.Tensor
-    num_classes: int
-
-    @property
-    def num_unlabeled(self) -> int:
-        return int(self.unlabeled_idx.numel())
-
-    @property
-    def num_labeled(self) -> int:
-        return int(self.labeled_idx.numel())
-
-
-@dataclass
-class ServerData:
-    """The server's labeled training set and validation set (indices into ``images``).
-
-    ``label_scenario`` is the run's ``data_args.label_scenario``: in labels-at-client the server
-    may still hold a few labels (``num_server_labels``), and algorithms decide from the scenario
-    whether the server trains on them.
-    """
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    labeled_idx: torch.Tensor
-    val_idx: torch.Tensor
-    num_classes: int
-    label_scenario: str = "server"
-
-
-@dataclass
-class DataInfo:
-    """What an algorithm needs to know about the dataset to build inputs."""
-
-    num_classes: int
-    in_channels: int
-    image_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    flip: bool
-
-
-@dataclass
-class ClientContext:
-    """Per-call context a runtime hands to ``client_update``: no server state in here."""
-
-    round_idx: int
-    device: torch.device
-    seed: int
-
-    def generator(self, client_id: int) -> torch.Generator:
-        """The client's random stream for this round (same in every runtime)."""
-        return seeding.generator(self.seed, "client", self.round_idx, client_id)
-
-
-@dataclass
-class TrainSettings:
-    """The optimisation settings from ``train_args`` that algorithms share."""
-
-    local_steps: int = 16
-    batch_size: int = 64
-    learning_rate: float = 0.03
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    comm_round: int = 30
-    lr_schedule: str = "cosine"
-    lr_cosine_c: float = 0.4375
-    lr_warmup_rounds: int = 0
-    lr_floor: float = 1e-4
-    num_clients: int = 1  # K (train_args.client_num_in_total)
-
-
-class NonFiniteLossError(RuntimeError):
-    """A loss became NaN or infinite; names the round and the party."""
-
-    def __init__(self, round_idx: int, party: str, value: float):
-        self.round_idx = round_idx
-        self.party = party
-        super().__init__(
-            f"non-finite loss {value} in round {round_idx} on {party}; the run stopped and the last "
-            "good checkpoint was kept. Lower train_args.learning_rate or check the data."
-        )
-
-
-def check_finite(loss: torch.Tensor, round_idx: int, party: str) -> None:
-    """Raise :class:`NonFiniteLossError` when ``loss`` is NaN or infinite."""
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        raise NonFiniteLossError(round_idx, party, value)
+__all__ = [
+    "DIAGNOSTIC_EXTRAS",
+    "Algorithm",
+    "AlgorithmConfig",
+    "ClientContext",
+    "ClientData",
+    "DataInfo",
+    "Message",
+    "NonFiniteLossError",
+    "ServerData",
+    "TrainSettings",
+    "check_finite",
+    "message_nbytes",
+    "tensor_nbytes",
+]
 
 
 @dataclass
 class AlgorithmConfig:
     """Base of every algorithm's hyper-parameter dataclass (``ssfl_args`` minus ``algorithm``)."""
+
+    def check(self, cfg: Any) -> None:
+        """Cross-check the hyper-parameters against the whole experiment config.
+
+        Called by :func:`fedml_ssfl.config.validate` after the sections are built, with the
+        :class:`~fedml_ssfl.config.ExperimentConfig`; raise
+        :class:`~fedml_ssfl.config.ConfigError` naming the offending key and the fix. Default:
+        nothing to check.
+        """
 
 
 class Algorithm:
@@ -221,8 +99,20 @@ class Algorithm:
     """
 
     name: ClassVar[str] = ""
+    """The registry name (``ssfl_args.algorithm``)."""
     config_class: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    """The dataclass ``ssfl_args`` (minus ``algorithm``) is built into."""
     label_scenarios: ClassVar[tuple[str, ...]] = ("server",)
+    """The ``data_args.label_scenario`` values the algorithm supports."""
+    label_scenario_note: ClassVar[str] = ""
+    """Added to the config error for an unsupported label scenario (why, and what to use); empty:
+    nothing to add."""
+    partial_replies: ClassVar[bool] = False
+    """True when a client's reply may carry only some of the model's keys (e.g. FedMatch's sigma or
+    psi deltas alone): the FedML runtime then does not refuse a dense reply for missing keys."""
+    requires_all_replies: ClassVar[bool] = False
+    """True when a round cannot go on without every chosen client's reply: the FedML runtime then
+    fails the run on a malformed reply instead of counting it as an empty one."""
 
     def __init__(
         self,

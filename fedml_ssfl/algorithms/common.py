@@ -45,9 +45,10 @@ class GlobalModelAlgorithm(Algorithm):
     ) -> float:
         """:func:`~fedml_ssfl.training.supervised_steps` of ``model`` on the server's labeled samples.
 
+        The server's supervised fine-tune, for every algorithm that trains on its labels.
         ``train`` is the :class:`~fedml_ssfl.training.TrainSettings` to use; ``options`` (``party``
-        -- default "the server" --, ``steps``, ``augment``, ``loss_weight``, ``optimizer``) are
-        passed on. Returns the mean loss.
+        -- default "the server" --, ``steps``, ``augment``, ``loss_weight``, ``optimizer``,
+        ``batches``, ``clip_norm``, ``after_step``, ``lr``) are passed on. Returns the mean loss.
         """
         options.setdefault("party", "the server")
         d = self.server_data

@@ -74,18 +74,18 @@ from .. import seeding
 from ..aggregation import fedavg_with_server, grouping_average, weight_diversity
 from ..config import ConfigError
 from ..ssl import masked_consistency_loss
-from ..ssl.pseudo_label import label_hits
 from ..training import (
     BatchStream,
     InputPipeline,
-    cosine_lr,
+    Phase,
+    Step,
     cpu_state,
     load_momentum_buffers,
     make_optimizer,
     momentum_buffers,
-    set_lr,
+    run_steps,
 )
-from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
+from .base import AlgorithmConfig, ClientContext, ClientData, Message
 from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
@@ -257,10 +257,8 @@ class FedAvgSSL(GlobalModelAlgorithm):
         gen = ctx.generator(data.client_id)
         opt = self.optimizer(model, state.get("momentum", {}))
         stream = BatchStream(data.unlabeled_idx, self.train.batch_size, gen)
-        party = client_party(data.client_id)
-        loss_sum = mask_sum = correct = kept = 0.0
-        for s in range(self.train.local_steps):
-            set_lr(opt, cosine_lr(self.train, ctx.round_idx * self.train.local_steps + s))
+
+        def step(s: int) -> Step:
             batch = next(stream)
             weak = pipeline.weak(data.images[batch], gen)
             if cfg.user_loss == "crl":
@@ -272,14 +270,10 @@ class FedAvgSSL(GlobalModelAlgorithm):
                 # Eq. 3: pseudo-label and cross-entropy on the same alpha(x)
                 logits_weak = logits_train = model(weak)
             loss, pl = masked_consistency_loss(logits_train, logits_weak.detach().softmax(dim=1), cfg.threshold)
-            check_finite(loss, ctx.round_idx, party)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            loss_sum += float(loss.detach())
-            mask_sum += pl.mask_rate
-            hit, counted = label_hits(pl.labels, data.labels[batch], pl.mask)
-            correct, kept = correct + hit, kept + counted
+            return Step(loss, {"mask_rate": pl.mask_rate}, pseudo=pl, truth=data.labels[batch])
+
+        party = client_party(data.client_id)
+        metrics = run_steps(Phase(opt, step), self.train.local_steps, self.train, ctx.round_idx, party)
         if cfg.persistent_momentum:
             state["momentum"] = momentum_buffers(opt, model)
         out = cpu_state(model)
@@ -288,10 +282,6 @@ class FedAvgSSL(GlobalModelAlgorithm):
             own = {k: v.clone() for k, v in out.items() if k not in params}
             if own:
                 state["buffers"] = own
-        steps = self.train.local_steps
-        metrics = {"loss": loss_sum / steps, "mask_rate": mask_sum / steps}
-        if kept:
-            metrics["pseudo_acc"] = correct / kept
         return Message(weights=out, num_samples=data.num_unlabeled, extras={"metrics": metrics})
 
     # ---- server ------------------------------------------------------------------------

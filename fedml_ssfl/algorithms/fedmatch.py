@@ -144,9 +144,8 @@ from ..helper_selection import model_embedding, nearest_helpers, probe_input
 from ..sparse import densify, density, hard_threshold, num_values, sparsify
 from ..ssl import PseudoLabels, kl_consistency
 from ..ssl.agreement import agreement_pseudo_labels
-from ..ssl.pseudo_label import label_hits
-from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state, set_lr
-from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite, message_nbytes
+from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, run_steps
+from .base import AlgorithmConfig, ClientContext, ClientData, Message, message_nbytes
 from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
@@ -388,6 +387,7 @@ class FedMatch(GlobalModelAlgorithm):
     config_class = FedMatchConfig
     label_scenarios = ("server", "client")
     partial_replies = True  # replies carry sigma/psi deltas only for the parts a client trained
+    _layout: Layout | None = None  # cached by layout(); a FedML worker never runs setup()
 
     # ---- settings ------------------------------------------------------------------------
     @property
@@ -400,7 +400,7 @@ class FedMatch(GlobalModelAlgorithm):
 
     def layout(self) -> Layout:
         """The model's layout (a pure function of ``model_fn``, cached)."""
-        lay = getattr(self, "_layout", None)
+        lay = self._layout
         if lay is None:
             model = self._scratch.get("client") or self.model_fn()
             self._scratch.setdefault("client", model)
@@ -638,64 +638,47 @@ class FedMatch(GlobalModelAlgorithm):
         sig = {n: sigma[n].to(device).clone().requires_grad_(True) for n in names}
         ps = {n: psi[n].to(device).clone().requires_grad_(True) for n in names}
         helper_w = [{n: sigma[n].to(device) + h[n].to(device) for n in names} for h in helpers]
-        opt_s = opt_p = None
+        lam_l1 = self.setting("lambda_l1")
+
+        def sigma_step(s: int) -> Step:  # Eq. 4: sigma learns from labels, psi frozen
+            b = next(stream_s)
+            x = pipeline.weak(images[b], gen)
+            w = {n: sig[n] + ps[n].detach() for n in names}
+            model.train()
+            return Step(cfg.lambda_s * F.cross_entropy(functional_call(model, w, (x,)), labels[b].to(device)))
+
+        def psi_step(s: int) -> Step:  # Eq. 5: psi learns from unlabeled data, sigma frozen
+            b = next(stream_u)
+            raw = images[b]
+            n_b = b.numel()
+            x_plain = pipeline.plain(raw)
+            helper_probs = []
+            if helper_w:  # frozen helpers sigma + psi_h on the unaugmented input
+                model.eval()
+                with torch.no_grad():
+                    helper_probs = [functional_call(model, hw, (x_plain,)).float().softmax(dim=1) for hw in helper_w]
+            x = torch.cat([x_plain, pipeline.strong(raw, gen)])
+            w = {n: sig[n].detach() + ps[n] for n in names}
+            model.train()
+            logits_plain, logits_strong = functional_call(model, w, (x,)).split(n_b)
+            loss_a, loss_i, pl = phi(logits_plain, logits_strong, helper_probs, cfg.tau)  # Eq. 2, 3
+            l2, l1 = psi_regularisers(sig, ps)
+            loss_u = cfg.lambda_a * loss_a + cfg.lambda_i * loss_i + cfg.lambda_l2 * l2 + lam_l1 * l1  # Eq. 5
+            terms = {"loss_agree": loss_a, "loss_kl": loss_i, "l2": l2, "mask_rate": pl.mask_rate}
+            return Step(loss_u, terms, pseudo=pl, truth=labels[b])  # the labels: diagnostics only
+
+        phases = []
         if labeled_idx.numel():
             opt_s = torch.optim.SGD(
                 list(sig.values()), lr=train.learning_rate, momentum=cfg.momentum, weight_decay=train.weight_decay
             )
             stream_s = BatchStream(labeled_idx, cfg.labeled_batch_size or train.batch_size, gen)
+            phases.append(Phase(opt_s, sigma_step, "loss_s"))
         if unlabeled_idx.numel():
             opt_p = torch.optim.SGD(list(ps.values()), lr=train.learning_rate, momentum=cfg.momentum)
             stream_u = BatchStream(unlabeled_idx, cfg.unlabeled_batch_size or train.batch_size, gen)
-        lam_l1 = self.setting("lambda_l1")
-        sums: dict[str, float] = {}
-        correct = kept = 0
-        for s in range(steps):
-            lr = cosine_lr(train, round_idx * train.local_steps + s)
-            if opt_s is not None:  # Eq. 4: sigma learns from labels, psi frozen
-                set_lr(opt_s, lr)
-                b = next(stream_s)
-                x = pipeline.weak(images[b], gen)
-                w = {n: sig[n] + ps[n].detach() for n in names}
-                model.train()
-                loss_s = cfg.lambda_s * F.cross_entropy(functional_call(model, w, (x,)), labels[b].to(device))
-                check_finite(loss_s, round_idx, party)
-                opt_s.zero_grad(set_to_none=True)
-                loss_s.backward()
-                opt_s.step()
-                sums["loss_s"] = sums.get("loss_s", 0.0) + float(loss_s.detach())
-            if opt_p is not None:  # Eq. 5: psi learns from unlabeled data, sigma frozen
-                set_lr(opt_p, lr)
-                b = next(stream_u)
-                raw = images[b]
-                n_b = b.numel()
-                x_plain = pipeline.plain(raw)
-                helper_probs = []
-                if helper_w:  # frozen helpers sigma + psi_h on the unaugmented input
-                    model.eval()
-                    with torch.no_grad():
-                        helper_probs = [
-                            functional_call(model, hw, (x_plain,)).float().softmax(dim=1) for hw in helper_w
-                        ]
-                x = torch.cat([x_plain, pipeline.strong(raw, gen)])
-                w = {n: sig[n].detach() + ps[n] for n in names}
-                model.train()
-                logits_plain, logits_strong = functional_call(model, w, (x,)).split(n_b)
-                loss_a, loss_i, pl = phi(logits_plain, logits_strong, helper_probs, cfg.tau)  # Eq. 2, 3
-                l2, l1 = psi_regularisers(sig, ps)
-                loss_u = cfg.lambda_a * loss_a + cfg.lambda_i * loss_i + cfg.lambda_l2 * l2 + lam_l1 * l1  # Eq. 5
-                check_finite(loss_u, round_idx, party)
-                opt_p.zero_grad(set_to_none=True)
-                loss_u.backward()
-                opt_p.step()
-                for key, v in (("loss_u", loss_u), ("loss_agree", loss_a), ("loss_kl", loss_i), ("l2", l2)):
-                    sums[key] = sums.get(key, 0.0) + float(v.detach())
-                sums["mask_rate"] = sums.get("mask_rate", 0.0) + pl.mask_rate
-                hit, counted = label_hits(pl.labels, labels[b], pl.mask)  # diagnostics only
-                correct, kept = correct + hit, kept + counted
-        metrics = {k: v / max(steps, 1) for k, v in sums.items()}
-        if kept:
-            metrics["pseudo_acc"] = correct / kept
+            phases.append(Phase(opt_p, psi_step, "loss_u"))
+        metrics = run_steps(phases, steps, train, round_idx, party)
         new_buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k in buffers}
         return (
             {n: t.detach() for n, t in sig.items()},

@@ -72,16 +72,19 @@ from .. import seeding
 from ..aggregation import weighted_average
 from ..config import ConfigError
 from ..ssl.negative import complementary_loss, sample_complementary_labels
-from ..ssl.pseudo_label import label_hits
+from ..ssl.pseudo_label import kept_accuracy
 from ..training import (
     BatchStream,
     InputPipeline,
+    Phase,
+    Step,
     cosine_lr,
     cpu_state,
     make_optimizer,
+    run_steps,
     set_lr,
 )
-from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
+from .base import AlgorithmConfig, ClientContext, ClientData, Message
 from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
@@ -411,12 +414,12 @@ class FedSEAL(GlobalModelAlgorithm):
             "neg_rate": neg.numel() / n,
             "ensemble_size": float(state.get("ensemble_count", 1)),
         }
-        hit, counted = label_hits(sets.pos_labels[pos], truth[pos])
-        if counted:
-            metrics["pseudo_acc"] = hit / counted
-        hit, counted = label_hits(sets.neg_labels[neg], truth[neg])
-        if counted:
-            metrics["neg_label_acc"] = 1.0 - hit / counted  # a negative label is right when it is not the class
+        pseudo_acc = kept_accuracy(sets.pos_labels, truth, sets.pos_mask)
+        if pseudo_acc is not None:
+            metrics["pseudo_acc"] = pseudo_acc
+        neg_acc = kept_accuracy(sets.neg_labels, truth, sets.neg_mask)
+        if neg_acc is not None:
+            metrics["neg_label_acc"] = 1.0 - neg_acc  # a negative label is right when it is not the class
         if pos.numel() == 0 and neg.numel() == 0:
             return Message(extras={"metrics": metrics})
 
@@ -426,22 +429,21 @@ class FedSEAL(GlobalModelAlgorithm):
         set_lr(opt, self.round_lr(round_idx))
         pos_stream = BatchStream(pos, self.train.batch_size, gen) if pos.numel() else None
         neg_stream = BatchStream(neg, self.train.batch_size, gen) if neg.numel() else None
-        party = client_party(data.client_id)
-        total = 0.0
-        for _ in range(self.train.local_steps):
+
+        def step(s: int) -> Step:
             loss = torch.zeros((), device=ctx.device)
-            if pos_stream is not None:
+            if pos_stream is not None:  # lambda CE(y+, f(A(x))) on the positive set
                 b = next(pos_stream)
                 logits = model(pipeline.strong(data.images[data.unlabeled_idx[b]], gen))
                 loss = loss + lam * F.cross_entropy(logits, sets.pos_labels[b].to(ctx.device))
-            if neg_stream is not None:
+            if neg_stream is not None:  # -log(1 - f(x)_{y-}) on the negative set
                 b = next(neg_stream)
                 logits = model(pipeline.plain(data.images[data.unlabeled_idx[b]]))
                 loss = loss + complementary_loss(logits, sets.neg_labels[b].to(ctx.device))
-            check_finite(loss, round_idx, party)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
-        metrics["loss"] = total / self.train.local_steps
+            return Step(loss)
+
+        party = client_party(data.client_id)
+        metrics.update(
+            run_steps(Phase(opt, step), self.train.local_steps, self.train, round_idx, party, lr="optimizer")
+        )
         return Message(weights=cpu_state(model), num_samples=n, extras={"metrics": metrics})

@@ -175,8 +175,8 @@ from .. import seeding
 from ..aggregation import weighted_average
 from ..config import ConfigError
 from ..ssl.consistency import kl_consistency, sigmoid_rampup, softmax_mse
-from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state, make_optimizer, set_lr
-from .base import AlgorithmConfig, ClientContext, ClientData, Message, check_finite
+from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, make_optimizer, run_steps
+from .base import AlgorithmConfig, ClientContext, ClientData, Message
 from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
@@ -461,9 +461,7 @@ class FedSiamConfig(AlgorithmConfig):
             )
         if d.label_scenario == "client":
             client_labels = (
-                d.labels_per_class_client > 0
-                or getattr(d, "client_label_ratio", 0.0) > 0
-                or d.partition_method == "noniid_3"
+                d.labels_per_class_client > 0 or d.client_label_ratio > 0 or d.partition_method == "noniid_3"
             )
             if not client_labels:
                 raise ConfigError(
@@ -559,8 +557,7 @@ class FedSiam(GlobalModelAlgorithm):
         """Eq. 8, first line, on the aggregated online net; Eq. 9 on the global target after each step.
 
         ``train_args.local_steps`` weak-augmentation cross-entropy steps on the server's labels
-        (the steps of :func:`~fedml_ssfl.training.supervised_steps`, random streams included,
-        written out here for the per-step EMA). After step ``s`` the global target takes
+        (:func:`~fedml_ssfl.training.supervised_steps`). After step ``s`` the global target takes
         ``alpha = min(1 - 1/(q + 1), alpha_max)`` with ``q = update_idx * T + s`` (the authors'
         server counter, 0 on the first server step); Pi's alpha is 0 (target = online).
         """
@@ -568,23 +565,14 @@ class FedSiam(GlobalModelAlgorithm):
         T = self.train.local_steps
         online = self.scratch_model(self.agg_online, self.device, slot="server")
         target = self.scratch_model(self.agg_target, self.device, slot="server_target")
-        online.train()
-        pipeline = InputPipeline(self.data_info, self.device)
         gen = seeding.generator(self.seed, "server", round_idx)
-        opt = make_optimizer(online, self.train)
-        stream = BatchStream(self.server_data.labeled_idx, self.train.batch_size, gen)
         pairs = ema_pairs(target, online)
-        for s in range(T):
-            set_lr(opt, cosine_lr(self.train, round_idx * T + s))
-            batch = next(stream)
-            x = pipeline.weak(self.server_data.images[batch], gen)
-            loss = F.cross_entropy(online(x), self.server_data.labels[batch].to(self.device))  # L, Eq. 8
-            check_finite(loss, round_idx, "the server")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+
+        def after_step(s: int) -> None:
             self.server_alpha = self.config.alpha(round_idx, update_idx * T + s)
             ema_update(pairs, self.server_alpha)  # Eq. 9 on the global pair
+
+        self.server_supervised_steps(online, self.train, round_idx, gen, after_step=after_step)  # L, Eq. 8
         self.global_state, self.global_target = cpu_state(online), cpu_state(target)
 
     def server_step(self, round_idx: int) -> None:
@@ -700,17 +688,16 @@ class FedSiam(GlobalModelAlgorithm):
         pairs = ema_pairs(target, online)
         consistency = softmax_mse if cfg.consistency == "mse" else kl_consistency
         num_classes = self.data_info.num_classes
-        party = client_party(data.client_id)
         t = int(state.get("steps", 0))
         participation = int(state.get("participations", 0)) + 1  # the authors' user_epoch
         T = self.train.local_steps
-        totals = {"loss": 0.0, "ce": 0.0, "consistency": 0.0}
         alpha = beta = 0.0
         counter = 0
-        for s in range(steps):
+
+        def step(s: int) -> Step:
+            nonlocal counter, beta
             counter = epoch_counter(participation, epochs, s // per_epoch)  # constant within an epoch
             beta = cfg.beta(counter if cfg.beta_ramp_unit == "epoch" else round_idx, num_classes)
-            set_lr(opt, cosine_lr(self.train, round_idx * T + (s * T) // steps))
             x_online, x_target = [], []
             n_sup, labels = 0, None
             if lab_stream is not None:
@@ -726,24 +713,35 @@ class FedSiam(GlobalModelAlgorithm):
                 x_target.append(pipeline.weak(raw, gen))
             logits = online(torch.cat(x_online))
             loss = torch.zeros((), device=device)
+            metrics: dict[str, torch.Tensor | float] = {}
             if labels is not None:
                 ce = F.cross_entropy(logits[:n_sup], labels)  # L, Eq. 6
                 loss = loss + ce
-                totals["ce"] += float(ce.detach())
+                metrics["ce"] = ce
+            metrics["consistency"] = 0.0
             if x_target:
                 with torch.no_grad():
                     probs = F.softmax(target(torch.cat(x_target)).float(), dim=1)
                 j = consistency(logits if cfg.consistency_on_labeled else logits[n_sup:], probs)  # J, Eq. 4/5
                 loss = loss + beta * j
-                totals["consistency"] += float(j.detach())
-            check_finite(loss, round_idx, party)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+                metrics["consistency"] = j
+            return Step(loss, metrics)
+
+        def after_step(s: int) -> None:
+            nonlocal t, alpha
             t += 1
             alpha = cfg.alpha(round_idx, counter if cfg.ramp_unit == "epoch" else t)
             ema_update(pairs, alpha)  # Eq. 9
-            totals["loss"] += float(loss.detach())
+
+        metrics = run_steps(
+            Phase(opt, step),
+            steps,
+            self.train,
+            round_idx,
+            client_party(data.client_id),
+            lr=lambda s: cosine_lr(self.train, round_idx * T + (s * T) // steps),
+            after_step=after_step,
+        )
         state["steps"], state["participations"] = t, participation
         target_state, online_state = cpu_state(target), cpu_state(online)
         if not cfg.target_sync:
@@ -758,9 +756,6 @@ class FedSiam(GlobalModelAlgorithm):
                 if tau >= 1 or float(divergence[j]) >= boundary:  # Sec. 3.3.2
                     weights.update({ONLINE_PREFIX + k: online_state[k] for k in keys})
                     uploaded += 1
-        metrics = {k: v / steps for k, v in totals.items()}
-        if labels is None:
-            metrics.pop("ce")
         metrics.update(
             beta=beta,
             alpha=alpha,

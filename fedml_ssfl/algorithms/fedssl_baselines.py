@@ -65,12 +65,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from ..aggregation import fedavg_with_server, weighted_average
 from ..config import ConfigError
 from ..ssl import PseudoLabels, fixmatch_loss, tsa_cross_entropy, tsa_threshold, uda_loss
 from ..ssl.uda import TSA_SCHEDULES
-from ..training import InputPipeline, cpu_state, semi_supervised_steps
+from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, make_optimizer, proximal_term, run_steps
 from .base import Algorithm, AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
 from .common import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
@@ -202,7 +203,7 @@ class UDAConfig(AlgorithmConfig):
 
 
 def _check_federated(config: Any, cfg: Any) -> None:
-    """The keys the federated variants add: ``include_server`` and (FedProx) ``mu``."""
+    """The keys the federated variants add: ``include_server`` and ``server_protocol`` (FedProx checks ``mu``)."""
     scenario = cfg.data_args.label_scenario
     if config.include_server is False and scenario == "server":
         raise ConfigError(
@@ -214,8 +215,6 @@ def _check_federated(config: Any, cfg: Any) -> None:
             "ssfl_args.include_server: true needs server labels, but data_args.num_server_labels is 0; "
             "leave include_server unset or give the server labels"
         )
-    mu = getattr(config, "mu", 0.0)
-    _need(mu >= 0.0, "mu", mu, ">= 0")
     protocol = config.server_protocol
     _need(protocol in SERVER_PROTOCOLS, "server_protocol", protocol, f"one of {', '.join(SERVER_PROTOCOLS)}")
 
@@ -255,6 +254,10 @@ class FedProxFixMatchConfig(FedAvgFixMatchConfig):
 
     mu: float = 0.01
 
+    def check(self, cfg: Any) -> None:
+        super().check(cfg)
+        _need(self.mu >= 0.0, "mu", self.mu, ">= 0")
+
 
 @dataclass
 class FedAvgUDAConfig(UDAConfig):
@@ -275,6 +278,10 @@ class FedProxUDAConfig(FedAvgUDAConfig):
 
     mu: float = 0.01
 
+    def check(self, cfg: Any) -> None:
+        super().check(cfg)
+        _need(self.mu >= 0.0, "mu", self.mu, ">= 0")
+
 
 # ---- the shared client step ----------------------------------------------------------------------
 
@@ -287,33 +294,79 @@ def train_ssl_client(
     anchor: dict[str, torch.Tensor] | None = None,
     mu: float = 0.0,
 ) -> dict[str, float]:
-    """T steps of the configured FixMatch / UDA objective on one client (plus FedProx's term).
+    """T local steps of ``lambda_s l_s + lambda_u l_u (+ FedProx's term)``: FixMatch / UDA on one client.
 
-    ``algo.config`` must be a :class:`FixMatchConfig` or :class:`UDAConfig`; every random draw
-    comes from ``ctx.generator(data.client_id)``. Returns the step-mean metrics of
-    :func:`~fedml_ssfl.training.semi_supervised_steps`.
+    ``algo.config`` must be a :class:`FixMatchConfig` or :class:`UDAConfig` (the losses, weights,
+    unlabeled batch size and weak view); every random draw comes from
+    ``ctx.generator(data.client_id)``. Each step draws a labeled batch of ``batch_size`` (the
+    weak view; target: its labels) and an unlabeled batch of ``unlabeled_batch_size`` shown
+    twice, as the weak view and as A(u). All views go through the model in one forward pass, as
+    in FixMatch's code, so normalisation layers see one batch. The unlabeled loss gets the weak
+    logits detached. A half with no samples is skipped. ``labeled_idx`` is the only place labels
+    are read for training; the labels at ``unlabeled_idx`` only feed the ``pseudo_acc``
+    diagnostic. ``anchor`` and ``mu``: FedProx's :func:`~fedml_ssfl.training.proximal_term`
+    towards ``anchor`` (the round's global weights), skipped when ``anchor`` is None or
+    ``mu == 0``.
+
+    Returns
+    -------
+    dict[str, float]
+        Step means of ``loss``, ``loss_x`` (weighted by ``lambda_s``), ``loss_u``, ``prox``,
+        ``mask_rate`` (those that apply) and ``pseudo_acc`` (of the kept pseudo-labels, when any
+        was kept); see :func:`~fedml_ssfl.training.run_steps`.
+
+    Raises
+    ------
+    ValueError
+        When the client has neither labeled nor unlabeled samples.
     """
-    cfg = algo.config
-    return semi_supervised_steps(
-        model,
-        InputPipeline(algo.data_info, ctx.device),
-        data.images,
-        data.labels,
-        data.labeled_idx,
-        data.unlabeled_idx,
-        algo.train,
-        ctx.round_idx,
-        ctx.generator(data.client_id),
-        client_party(data.client_id),
-        unlabeled_loss=cfg.unlabeled_loss,
-        lambda_u=cfg.lambda_u,
-        unlabeled_batch_size=cfg.unlabeled_batch_size,
-        labeled_loss=cfg.labeled_loss(algo.train, data.num_classes),
-        anchor=anchor,
-        mu=mu,
-        lambda_s=cfg.lambda_s,
-        weak_view=cfg.weak_view,
-    )
+    cfg, train, device = algo.config, algo.train, ctx.device
+    images, labels, gen = data.images, data.labels, ctx.generator(data.client_id)
+    party = client_party(data.client_id)
+    if data.num_labeled == 0 and data.num_unlabeled == 0:
+        raise ValueError(f"train_ssl_client: {party} has no labeled and no unlabeled samples")
+    pipeline = InputPipeline(algo.data_info, device)
+    model.train()
+    opt = make_optimizer(model, train)
+    stream_x = BatchStream(data.labeled_idx, train.batch_size, gen) if data.num_labeled else None
+    view = pipeline.weak if cfg.weak_view == "weak" else (lambda imgs, gen: pipeline.plain(imgs))
+    unlabeled_batch = cfg.unlabeled_batch_size or train.batch_size
+    stream_u = BatchStream(data.unlabeled_idx, unlabeled_batch, gen) if data.num_unlabeled else None
+    prox_on = anchor is not None and mu != 0
+    if prox_on:
+        anchor = {k: v.to(device) for k, v in anchor.items()}
+    labeled_loss = cfg.labeled_loss(train, data.num_classes) or (lambda logits, y, step: F.cross_entropy(logits, y))
+
+    def step(s: int) -> Step:
+        views, y, batch_u = [], None, None
+        if stream_x is not None:
+            batch_x = next(stream_x)
+            views.append(view(images[batch_x], gen))
+            y = labels[batch_x].to(device)
+        if stream_u is not None:
+            batch_u = next(stream_u)
+            views.append(view(images[batch_u], gen))
+            views.append(pipeline.strong(images[batch_u], gen))
+        logits = model(torch.cat(views))
+        parts: dict[str, torch.Tensor | float] = {}
+        n_x = 0
+        if y is not None:
+            n_x = y.numel()
+            parts["loss_x"] = cfg.lambda_s * labeled_loss(logits[:n_x], y, ctx.round_idx * train.local_steps + s)
+        pl = None
+        if batch_u is not None:
+            logits_weak, logits_strong = logits[n_x:].chunk(2)
+            parts["loss_u"], pl = cfg.unlabeled_loss(logits_strong, logits_weak.detach())
+        zero = torch.zeros((), device=device)
+        loss = parts.get("loss_x", zero) + cfg.lambda_u * parts.get("loss_u", zero)
+        if prox_on:
+            parts["prox"] = proximal_term(model, anchor, mu)
+            loss = loss + parts["prox"]
+        if pl is None:
+            return Step(loss, parts)
+        return Step(loss, {**parts, "mask_rate": pl.mask_rate}, pseudo=pl, truth=labels[batch_u])
+
+    return run_steps(Phase(opt, step), train.local_steps, train, ctx.round_idx, party)
 
 
 # ---- the algorithm -------------------------------------------------------------------------------
@@ -330,8 +383,8 @@ class FedSSLBaseline(GlobalModelAlgorithm):
 
     @property
     def mu(self) -> float:
-        """FedProx's mu; 0 for FedAvg."""
-        return float(getattr(self.config, "mu", 0.0))
+        """FedProx's mu; 0 for FedAvg (:class:`FedProxFixMatch` and :class:`FedProxUDA` read their config's)."""
+        return 0.0
 
     @property
     def server_trains(self) -> bool:
@@ -398,6 +451,11 @@ class FedProxFixMatch(FedSSLBaseline):
     name = "fedprox_fixmatch"
     config_class = FedProxFixMatchConfig
 
+    @property
+    def mu(self) -> float:
+        """FedProx's mu (``ssfl_args.mu``)."""
+        return float(self.config.mu)
+
 
 @register_algorithm
 class FedAvgUDA(FedSSLBaseline):
@@ -413,3 +471,8 @@ class FedProxUDA(FedSSLBaseline):
 
     name = "fedprox_uda"
     config_class = FedProxUDAConfig
+
+    @property
+    def mu(self) -> float:
+        """FedProx's mu (``ssfl_args.mu``)."""
+        return float(self.config.mu)

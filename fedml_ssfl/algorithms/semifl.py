@@ -92,7 +92,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,9 +105,9 @@ from .. import seeding
 from ..aggregation import weighted_average
 from ..config import ConfigError
 from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
-from ..ssl.pseudo_label import label_hits
-from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state
-from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings, check_finite
+from ..ssl.pseudo_label import PseudoLabels, kept_accuracy, pseudo_labels
+from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, run_steps
+from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
 from .common import GlobalModelAlgorithm, client_party
 from .fedseal import predict_probs
 from .registry import register_algorithm
@@ -233,21 +233,25 @@ def server_momentum_step(
 # ---- fix and mix sets ------------------------------------------------------------------------
 @dataclass
 class FixMixSets:
-    """Positions (into the client's unlabeled samples) and labels of the fix and mix sets."""
+    """Positions (into the client's unlabeled samples) and labels of the fix and mix sets.
+
+    ``pseudo`` holds every sample's pseudo-label, its confidence, and the fix set as its mask.
+    """
 
     fix: torch.Tensor
     fix_labels: torch.Tensor
     mix: torch.Tensor
     mix_labels: torch.Tensor
+    pseudo: PseudoLabels
 
 
 def fix_mix_sets(probs: torch.Tensor, threshold: float, generator: torch.Generator) -> FixMixSets:
     """Diao et al. Eq. 3 and 4: fix = samples with ``max prob >= threshold``; mix = ``|fix|`` draws
     with replacement from all samples, each with its (unthresholded) pseudo-label."""
-    conf, labels = probs.max(dim=1)
-    fix = torch.nonzero(conf >= threshold).flatten()
+    pl = pseudo_labels(probs, threshold)
+    fix = torch.nonzero(pl.mask).flatten()
     mix = torch.randint(0, probs.shape[0], (fix.numel(),), generator=generator) if fix.numel() else fix
-    return FixMixSets(fix=fix, fix_labels=labels[fix], mix=mix, mix_labels=labels[mix])
+    return FixMixSets(fix=fix, fix_labels=pl.labels[fix], mix=mix, mix_labels=pl.labels[mix], pseudo=pl)
 
 
 def epoch_batches(
@@ -403,19 +407,17 @@ class SemiFL(GlobalModelAlgorithm):
         model = self.scratch_model(weights, self.device, slot="server")
         if self.server_steps == 0:
             return cpu_state(model)
-        model.train()
-        pipeline = InputPipeline(self.data_info, self.device)
         gen = seeding.generator(self.seed, "semifl-server", tag, round_idx)
-        opt = self.make_sgd(model, self.round_lr(round_idx))
-        sd = self.server_data
-        for b in self._server_batches(gen):
-            loss = F.cross_entropy(model(pipeline.weak(sd.images[b], gen)), sd.labels[b].to(self.device))
-            check_finite(loss, round_idx, "the server")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.config.clip_norm > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), self.config.clip_norm)
-            opt.step()
+        self.server_supervised_steps(
+            model,
+            self.train,
+            round_idx,
+            gen,
+            optimizer=self.make_sgd(model, self.round_lr(round_idx)),
+            batches=self._server_batches(gen),
+            clip_norm=self.config.clip_norm,
+            lr="optimizer",
+        )
         return cpu_state(model)
 
     def _server_bn_sums(self, weights: dict[str, torch.Tensor]) -> BNSums:
@@ -529,7 +531,6 @@ class SemiFL(GlobalModelAlgorithm):
     def _step(
         self,
         model: nn.Module,
-        opt: torch.optim.Optimizer,
         pipeline: InputPipeline,
         images: torch.Tensor,
         fix_idx: torch.Tensor,
@@ -537,10 +538,11 @@ class SemiFL(GlobalModelAlgorithm):
         mix_idx: torch.Tensor,
         y_mix: torch.Tensor,
         gen: torch.Generator,
-        round_idx: int,
-        party: str,
-    ) -> tuple[float, float]:
-        """One SGD step on L_fix + lambda L_mix (Eq. 5/6); returns (loss, lambda_mix)."""
+    ) -> Step:
+        """One local step's loss, ``L_fix + lambda L_mix`` (Eq. 5/6), and its ``mix_lambda``.
+
+        Draws ``lambda_mix``, then A(x_fix), then alpha(x_mix) from ``gen``.
+        """
         device = pipeline.device
         lam = sample_mix_lambda(self.config.mixup_alpha, gen)
         y_fix, y_mix = y_fix.to(device), y_mix.to(device)
@@ -548,13 +550,20 @@ class SemiFL(GlobalModelAlgorithm):
         mixed = mix_inputs(pipeline.raw(images[fix_idx]), pipeline.raw(images[mix_idx]), lam)
         loss_mix = mixup_loss(model(pipeline.weak(mixed, gen)), y_fix, y_mix, lam)
         loss = loss_fix + self.config.loss_lambda * loss_mix
-        check_finite(loss, round_idx, party)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.config.clip_norm > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), self.config.clip_norm)
-        opt.step()
-        return float(loss.detach()), lam
+        return Step(loss, {"mix_lambda": lam})
+
+    def _train(
+        self,
+        model: nn.Module,
+        step: Callable[[Any], Step | None],
+        batches: Iterable[Any],
+        ctx: ClientContext,
+        party: str,
+    ) -> dict[str, float]:
+        """Client SGD (Nesterov, the round's rate, clipped gradients) over ``batches``."""
+        model.train()
+        phase = Phase(self.make_sgd(model, self.round_lr(ctx.round_idx)), step, clip_norm=self.config.clip_norm)
+        return run_steps(phase, batches, self.train, ctx.round_idx, party, lr="optimizer", count_as="local_steps")
 
     def _train_global_labels(
         self,
@@ -570,37 +579,25 @@ class SemiFL(GlobalModelAlgorithm):
         sets = fix_mix_sets(probs, self.config.threshold, gen)
         truth = data.labels[data.unlabeled_idx]
         metrics: dict[str, float] = {"mask_rate": sets.fix.numel() / n}
-        hit, counted = label_hits(probs.argmax(dim=1), truth)
-        if counted:
-            metrics["pseudo_acc_all"] = hit / counted
+        acc_all = kept_accuracy(probs.argmax(dim=1), truth)
+        if acc_all is not None:
+            metrics["pseudo_acc_all"] = acc_all
         if sets.fix.numel() == 0:
             return metrics, False
-        hit, counted = label_hits(sets.fix_labels, truth[sets.fix])
-        if counted:
-            metrics["pseudo_acc"] = hit / counted
-        model.train()
-        opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
-        party = client_party(data.client_id)
-        loss_sum = lam_sum = 0.0
-        steps = 0
-        for fb, mb in self._fix_mix_batches(sets.fix.numel(), gen):
-            steps += 1
-            loss, lam = self._step(
-                model,
-                opt,
-                pipeline,
-                data.images,
-                data.unlabeled_idx[sets.fix[fb]],
-                sets.fix_labels[fb],
-                data.unlabeled_idx[sets.mix[mb]],
-                sets.mix_labels[mb],
-                gen,
-                ctx.round_idx,
-                party,
+        acc = kept_accuracy(sets.pseudo.labels, truth, sets.pseudo.mask)
+        if acc is not None:
+            metrics["pseudo_acc"] = acc
+        ux = data.unlabeled_idx
+
+        def step(batches: tuple[torch.Tensor, torch.Tensor]) -> Step:
+            fb, mb = batches
+            fix, mix = sets.fix[fb], sets.mix[mb]
+            return self._step(
+                model, pipeline, data.images, ux[fix], sets.fix_labels[fb], ux[mix], sets.mix_labels[mb], gen
             )
-            loss_sum += loss
-            lam_sum += lam
-        metrics.update(loss=loss_sum / steps, mix_lambda=lam_sum / steps, local_steps=float(steps))
+
+        batches = self._fix_mix_batches(sets.fix.numel(), gen)
+        metrics.update(self._train(model, step, batches, ctx, client_party(data.client_id)))
         return metrics, True
 
     def _fix_mix_batches(self, n_fix: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -636,47 +633,25 @@ class SemiFL(GlobalModelAlgorithm):
             batches: Iterator[torch.Tensor] = (next(stream) for _ in range(self.train.local_steps))
         else:
             batches = epoch_batches(data.unlabeled_idx, bs, self.config.local_epochs, gen)
-        model.train()
-        opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
-        truth_all = data.labels
-        party = client_party(data.client_id)
-        kept = correct = counted = seen = 0
-        loss_sum = lam_sum = 0.0
-        taken = 0
-        for b in batches:
+        seen = kept = 0
+
+        def step(b: torch.Tensor) -> Step | None:
+            nonlocal seen, kept
             probs = predict_probs(model, pipeline, data.images, b, gen, augment="weak")
             sets = fix_mix_sets(probs, self.config.threshold, gen)
             seen += b.numel()
             if sets.fix.numel() == 0:
-                continue
+                return None  # no confident sample: no step
             kept += sets.fix.numel()
-            hit, known = label_hits(sets.fix_labels, truth_all[b[sets.fix]])
-            correct, counted = correct + hit, counted + known
             model.train()
-            loss, lam = self._step(
-                model,
-                opt,
-                pipeline,
-                data.images,
-                b[sets.fix],
-                sets.fix_labels,
-                b[sets.mix],
-                sets.mix_labels,
-                gen,
-                ctx.round_idx,
-                party,
+            out = self._step(
+                model, pipeline, data.images, b[sets.fix], sets.fix_labels, b[sets.mix], sets.mix_labels, gen
             )
-            loss_sum += loss
-            lam_sum += lam
-            taken += 1
+            return Step(out.loss, out.metrics, pseudo=sets.pseudo, truth=data.labels[b])  # pooled into pseudo_acc
+
+        trained = self._train(model, step, batches, ctx, client_party(data.client_id))
         metrics: dict[str, float] = {"mask_rate": kept / max(seen, 1)}
-        if taken == 0:
+        if not trained["local_steps"]:
             return metrics, False
-        if counted:
-            metrics["pseudo_acc"] = correct / counted
-        metrics.update(
-            loss=loss_sum / taken,
-            mix_lambda=lam_sum / taken,
-            local_steps=float(taken),
-        )
+        metrics.update(trained)
         return metrics, True

@@ -21,8 +21,8 @@ class PseudoLabels:
 
     def accuracy(self, truth: torch.Tensor) -> float:
         """Accuracy of the kept pseudo-labels against ``truth`` (diagnostics only); nan if none counted."""
-        correct, counted = label_hits(self.labels, truth, self.mask)
-        return correct / counted if counted else float("nan")
+        acc = kept_accuracy(self.labels, truth, self.mask)
+        return float("nan") if acc is None else acc
 
 
 def label_hits(pred: torch.Tensor, truth: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[int, int]:
@@ -34,6 +34,16 @@ def label_hits(pred: torch.Tensor, truth: torch.Tensor, mask: torch.Tensor | Non
     truth = truth.to(pred.device)
     keep = truth >= 0 if mask is None else mask & (truth >= 0)
     return int((pred[keep] == truth[keep]).sum()), int(keep.sum())
+
+
+def kept_accuracy(pred: torch.Tensor, truth: torch.Tensor, mask: torch.Tensor | None = None) -> float | None:
+    """Accuracy of ``pred`` where ``mask`` holds and the truth is known (:func:`label_hits`).
+
+    Diagnostics only. Returns None when nothing is counted (no kept sample with a known class),
+    so that a caller can leave the metric out rather than log a nan.
+    """
+    correct, counted = label_hits(pred, truth, mask)
+    return correct / counted if counted else None
 
 
 def pseudo_labels(probs: torch.Tensor, threshold: float | torch.Tensor) -> PseudoLabels:
