@@ -27,12 +27,9 @@ from typing import Any
 import yaml
 
 from .data.partition_methods import METHODS, SCENARIOS, PartitionOptions
+from .errors import ConfigError  # re-exported: raised by every layer, caught by the CLI
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with a message that names the key and the fix."""
 
 
 @dataclass
@@ -486,13 +483,11 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(
             f"data_args.label_scenario: algorithm '{algorithm}' supports "
             f"{' | '.join(algo_cls.label_scenarios)}, not '{cfg.data_args.label_scenario}'"
-            + (f" ({algo_cls.label_scenario_note})" if getattr(algo_cls, "label_scenario_note", "") else "")
+            + (f" ({algo_cls.label_scenario_note})" if algo_cls.label_scenario_note else "")
         )
     for name in cfg.common_args.compare_with:
         registry.get_algorithm(name)
-    check = getattr(algo_cfg, "check", None)
-    if callable(check):
-        check(cfg)
+    algo_cfg.check(cfg)
     return cfg
 
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 

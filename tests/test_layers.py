@@ -20,15 +20,13 @@ ROOT = "fedml_ssfl"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / ROOT
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("contract", ("fedml_ssfl.contract", "fedml_ssfl.seeding", "fedml_ssfl.atomic")),
+    ("contract", ("fedml_ssfl.contract", "fedml_ssfl.errors", "fedml_ssfl.seeding", "fedml_ssfl.atomic")),
     (
         "pieces",
         (
             "fedml_ssfl.ssl",
             "fedml_ssfl.models",
             "fedml_ssfl.data",
-            "fedml_ssfl.config",
-            "fedml_ssfl.fedml_compat",
             "fedml_ssfl.aggregation",
             "fedml_ssfl.sparse",
             "fedml_ssfl.sampling",
@@ -37,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("training", ("fedml_ssfl.training", "fedml_ssfl.metrics")),
     ("algorithms", ("fedml_ssfl.algorithms",)),
+    ("config", ("fedml_ssfl.config", "fedml_ssfl.fedml_compat")),
     ("experiment", ("fedml_ssfl.experiment", "fedml_ssfl.checkpoint", "fedml_ssfl.tracking", "fedml_ssfl.report")),
     ("runtime", ("fedml_ssfl.runtime",)),
     ("cli", ("fedml_ssfl.cli",)),

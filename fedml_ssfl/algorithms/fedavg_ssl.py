@@ -72,7 +72,7 @@ from torch import nn
 
 from .. import seeding
 from ..aggregation import fedavg_with_server, grouping_average, weight_diversity
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..ssl import masked_consistency_loss
 from ..training import (
     BatchStream,

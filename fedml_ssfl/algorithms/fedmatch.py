@@ -138,8 +138,8 @@ from torch.nn import functional as F
 
 from .. import seeding
 from ..aggregation import weighted_average
-from ..config import ConfigError
 from ..data.augment import normalize
+from ..errors import ConfigError
 from ..helper_selection import model_embedding, nearest_helpers, probe_input
 from ..sparse import densify, density, hard_threshold, num_values, sparsify
 from ..ssl import PseudoLabels, kl_consistency

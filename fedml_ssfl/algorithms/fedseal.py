@@ -70,7 +70,7 @@ from torch.nn import functional as F
 
 from .. import seeding
 from ..aggregation import weighted_average
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..ssl.negative import complementary_loss, sample_complementary_labels
 from ..ssl.pseudo_label import kept_accuracy
 from ..training import (

@@ -173,7 +173,7 @@ from torch.nn import functional as F
 
 from .. import seeding
 from ..aggregation import weighted_average
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..ssl.consistency import kl_consistency, sigmoid_rampup, softmax_mse
 from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, make_optimizer, run_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message

@@ -68,7 +68,7 @@ import torch
 from torch.nn import functional as F
 
 from ..aggregation import fedavg_with_server, weighted_average
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..ssl import PseudoLabels, fixmatch_loss, tsa_cross_entropy, tsa_threshold, uda_loss
 from ..ssl.uda import TSA_SCHEDULES
 from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, make_optimizer, proximal_term, run_steps

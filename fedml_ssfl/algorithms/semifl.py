@@ -103,7 +103,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import seeding
 from ..aggregation import weighted_average
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
 from ..ssl.pseudo_label import PseudoLabels, kept_accuracy, pseudo_labels
 from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, run_steps

@@ -116,8 +116,8 @@ class ServerRuntime:
         self.refused: list[str] = []
         self.last_row: dict[str, Any] = {}
         self.model_shapes = {k: tuple(v.shape) for k, v in exp.algorithm.model_fn().state_dict().items()}
-        self.partial_ok = bool(getattr(exp.algorithm, "partial_replies", False))
-        self.requires_all = bool(getattr(exp.algorithm, "requires_all_replies", False))
+        self.partial_ok = exp.algorithm.partial_replies
+        self.requires_all = exp.algorithm.requires_all_replies
         self.bar = tqdm(
             total=rounds,
             initial=self.round,
