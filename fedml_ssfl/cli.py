@@ -205,7 +205,7 @@ def format_results_table(cfg: ExperimentConfig, results: list) -> str:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     from .atomic import make_folder
-    from .data.report import partition_report, save_partition_heatmap
+    from .data.partition_report import partition_report, save_partition_heatmap
     from .experiment import load_experiment_dataset, make_split
 
     cfg = load_config(_config_path(args), args.overrides)

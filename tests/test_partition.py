@@ -11,7 +11,7 @@ import torch
 from fedml_ssfl.data import Split, build_split, non_iid_level
 from fedml_ssfl.data.partition import largest_remainder, r_targets
 from fedml_ssfl.data.partition_methods import PartitionOptions
-from fedml_ssfl.data.report import partition_report, save_partition_heatmap
+from fedml_ssfl.data.partition_report import partition_report, save_partition_heatmap
 
 
 def balanced_labels(per_class: int = 200, num_classes: int = 10) -> torch.Tensor:

@@ -12,7 +12,7 @@ from fedml_ssfl.config import CHOICES, ConfigError, validate
 from fedml_ssfl.data import Split, build_split
 from fedml_ssfl.data.partition import METHODS, imbalance_profile, imbalance_weights, round_half_up
 from fedml_ssfl.data.partition_methods import PartitionOptions
-from fedml_ssfl.data.report import partition_report, save_partition_heatmap
+from fedml_ssfl.data.partition_report import partition_report, save_partition_heatmap
 from tests.test_partition import all_sets, assert_disjoint
 
 

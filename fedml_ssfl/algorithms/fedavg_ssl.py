@@ -86,7 +86,7 @@ from ..training import (
     run_steps,
 )
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .common import GlobalModelAlgorithm, client_party
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 

@@ -146,7 +146,7 @@ from ..ssl import PseudoLabels, kl_consistency
 from ..ssl.agreement import agreement_pseudo_labels
 from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, run_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, message_nbytes
-from .common import GlobalModelAlgorithm, client_party
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 log = logging.getLogger(__name__)

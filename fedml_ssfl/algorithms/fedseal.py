@@ -85,7 +85,7 @@ from ..training import (
     set_lr,
 )
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .common import GlobalModelAlgorithm, client_party
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 PREDICT_BATCH = 512

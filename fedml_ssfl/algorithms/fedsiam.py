@@ -177,7 +177,7 @@ from ..errors import ConfigError
 from ..ssl.consistency import kl_consistency, sigmoid_rampup, softmax_mse
 from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, make_optimizer, run_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .common import GlobalModelAlgorithm, client_party
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 VARIANTS = ("pi", "mt", "d")

@@ -73,7 +73,7 @@ from ..ssl import PseudoLabels, fixmatch_loss, tsa_cross_entropy, tsa_threshold,
 from ..ssl.uda import TSA_SCHEDULES
 from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, make_optimizer, proximal_term, run_steps
 from .base import Algorithm, AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
-from .common import GlobalModelAlgorithm, client_party
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 

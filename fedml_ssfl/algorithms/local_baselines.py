@@ -47,8 +47,8 @@ from torch import nn
 
 from ..training import InputPipeline, cpu_state, supervised_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .common import GlobalModelAlgorithm, client_party
 from .fedssl_baselines import FixMatchConfig, UDAConfig, train_ssl_client
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 LOCAL_SCENARIO_NOTE = (

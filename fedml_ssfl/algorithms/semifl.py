@@ -108,8 +108,8 @@ from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
 from ..ssl.pseudo_label import PseudoLabels, kept_accuracy, pseudo_labels
 from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, run_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
-from .common import GlobalModelAlgorithm, client_party
 from .fedseal import predict_probs
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 log = logging.getLogger(__name__)

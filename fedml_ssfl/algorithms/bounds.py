@@ -18,7 +18,7 @@ import torch
 from ..aggregation import fedavg_with_server, weighted_average
 from ..training import InputPipeline, cpu_state, supervised_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .common import GlobalModelAlgorithm, client_party
+from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
 
