@@ -466,7 +466,7 @@ def test_strangers_are_refused_naming_what_differs(tmp_path):
     ]
     (server, _, server_err), (code1, _, err1), (code2, _, err2) = finish(procs, TIMEOUT)
     assert code1 != 0 and "bad tag" in err1 and "Traceback" not in err1, err1[-3000:]
-    assert code2 == 2 and "Traceback" not in err2, err2[-3000:]
+    assert code2 == 2 and "Traceback" not in err2, err2[-3000:] + "\n--- server:\n" + server_err[-4000:]
     line2 = next(x for x in err2.splitlines() if "error:" in x)
     assert "refused" in line2 and "common_args.random_seed (server 0, rank 2 1)" in line2, line2
     assert "data_args.partition_method (server 'iid', rank 2 'dirichlet')" in line2, line2

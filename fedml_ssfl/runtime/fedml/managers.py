@@ -5,7 +5,6 @@ Imports FedML: import it only when a FedML job starts.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import platform
@@ -103,8 +102,10 @@ class SSFLServerManager(FedMLServerManager):
             self.refused[sender] = problem
             refusal = FedMessage(MyMessage.MSG_TYPE_S2C_FINISH, 0, sender)
             refusal.add_params(REFUSED, problem)
-            with contextlib.suppress(Exception):
+            try:
                 self.send_message(refusal)
+            except Exception as exc:  # it stops by itself at its connect timeout
+                log.warning("could not tell rank %d it was refused: %s", sender, exc)
             return
         self.refused.pop(sender, None)
         try:

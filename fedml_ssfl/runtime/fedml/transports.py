@@ -101,6 +101,9 @@ class QuietGrpcComm(GRPCCommManager):
             ("grpc.max_send_message_length", grpc_limit),
             ("grpc.max_receive_message_length", grpc_limit),
             ("grpc.enable_http_proxy", 0),
+            # a peer that comes up late is reached within 2 s (gRPC's default backoff grows to 2 min)
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         if self.security.tls is not None and self.security.tls.server_name:
             self.opts.append(("grpc.ssl_target_name_override", self.security.tls.server_name))
@@ -162,14 +165,15 @@ class QuietGrpcComm(GRPCCommManager):
         request = grpc_comm_manager_pb2.CommRequest()
         request.client_id = self.client_id
         request.message = self.sealer.seal(int(msg.get_receiver_id()), data)
-        # A status probe to a worker not up yet may fail (the worker announces itself), and a
-        # stop notice is best effort; everything else waits for the peer, up to the connect timeout.
-        fast = msg.get_type() in (MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, MyMessage.MSG_TYPE_S2C_FINISH)
+        # A status probe to a worker not up yet may fail at once (the worker announces itself); a stop
+        # notice (a refusal too) waits a few seconds for the peer, whose channel may still be backing
+        # off from such a probe; everything else waits up to the connect timeout.
+        kind = msg.get_type()
+        probe = kind == MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS
+        timeout = 5.0 if probe or kind == MyMessage.MSG_TYPE_S2C_FINISH else self.connect_timeout
         receiver = int(msg.get_receiver_id())
         try:
-            self._stub(receiver).sendMessage(
-                request, timeout=5.0 if fast else self.connect_timeout, wait_for_ready=not fast
-            )
+            self._stub(receiver).sendMessage(request, timeout=timeout, wait_for_ready=not probe)
         except grpc.RpcError as exc:
             r = self.grpc_mappings[receiver]
             address = f"{r.ingress_ip or r.grpc_server_ip}:{r.grpc_server_port}"
