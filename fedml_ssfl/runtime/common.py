@@ -278,15 +278,21 @@ class RunRecorder:
             raise self.write_failed(f"round {r}", exc) from None
         return acc
 
+    def _run_dir_lost(self) -> str:
+        """How the run folder went away during the run ("" while it is a folder)."""
+        if self.run_dir.is_dir():
+            return ""
+        return "replaced by a file (left untouched)" if self.run_dir.exists() else "removed"
+
     def _check_run_dir(self) -> None:
         """Raise :class:`NotADirectoryError` when the run folder is gone or is a file now.
 
         Checked before each round's writes: ``save_checkpoint`` would otherwise re-create a removed
         folder and fill it with a checkpoint and no config or earlier metrics.
         """
-        if not self.run_dir.is_dir():
-            what = "replaced by a file" if self.run_dir.exists() else "removed"
-            raise NotADirectoryError(f"the run folder {self.run_dir} was {what} while the run was running")
+        lost = self._run_dir_lost()
+        if lost:
+            raise NotADirectoryError(f"the run folder {self.run_dir} was {lost} while the run was running")
 
     def write_failed(self, when: str, exc: OSError) -> RunFailed:
         """The :class:`RunFailed` for an output that could not be written: names the path and the fix.
@@ -294,10 +300,10 @@ class RunRecorder:
         Nothing already saved is touched: the checkpoint is replaced atomically, so the last good one
         stays, and a run folder replaced by a file is left alone.
         """
-        if not self.run_dir.is_dir():
-            what = "replaced by a file (left untouched)" if self.run_dir.exists() else "removed"
+        lost = self._run_dir_lost()
+        if lost:
             return RunFailed(
-                f"{when}: the run folder {self.run_dir} was {what} while the run was running, so nothing more "
+                f"{when}: the run folder {self.run_dir} was {lost} while the run was running, so nothing more "
                 f"was written; put the run folder back and continue with `fedml-ssfl run --resume {self.run_dir}`, "
                 "or start a new run"
             )
