@@ -124,6 +124,9 @@ class TrainArgs:
     lr_warmup_rounds: int = 0  # e in Eq. 9, in rounds
     lr_floor: float = 1e-4  # epsilon in Eq. 9
     client_optimizer: str = "sgd"  # FedML's key; SGD with momentum is what the papers use
+    # the local runtime trains a round's clients together, stacked along a client dimension (torch.func):
+    # the same maths as one after another (docs/performance.md, "Stacked clients"); some algorithms only
+    stack_clients: bool = False
 
 
 @dataclass
@@ -487,8 +490,26 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         )
     for name in cfg.common_args.compare_with:
         registry.get_algorithm(name)
+    _check_stacking(cfg, algo_cls, registry)
     algo_cfg.check(cfg)
     return cfg
+
+
+def _check_stacking(cfg: ExperimentConfig, algo_cls: Any, registry: Any) -> None:
+    """``train_args.stack_clients`` needs an algorithm that trains stacked, and the local runtime."""
+    if not cfg.train_args.stack_clients:
+        return
+    if not algo_cls.stackable:
+        able = [n for n in registry.available_algorithms() if registry.get_algorithm(n).stackable]
+        raise ConfigError(
+            f"train_args.stack_clients: algorithm '{cfg.algorithm}' does not train clients stacked yet (supported: "
+            f"{', '.join(able)}); set train_args.stack_clients: false"
+        )
+    if cfg.comm_args.backend != "local":
+        raise ConfigError(
+            f"train_args.stack_clients: only the local runtime stacks clients, not comm_args.backend "
+            f"'{cfg.comm_args.backend}'; set train_args.stack_clients: false"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

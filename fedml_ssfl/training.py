@@ -389,14 +389,17 @@ def supervised_steps(
     return run_steps(phase, batches, train, round_idx, party, lr=lr, after_step=after_step).get("loss", 0.0)
 
 
-def proximal_term(model: nn.Module, global_weights: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
+def proximal_term(
+    model: nn.Module | Mapping[str, torch.Tensor], global_weights: dict[str, torch.Tensor], mu: float
+) -> torch.Tensor:
     """FedProx's proximal term ``mu/2 * ||w - w^t||^2`` (Li et al. 2020, Eq. 2).
 
     The sum runs over the model's trainable parameters (buffers such as BatchNorm statistics
     are not trained and so not pulled). ``global_weights`` is the global model ``w^t`` the round
     started from, a state dict keyed like ``model.named_parameters()``; move it to the model's
     device once per round to avoid a copy per step. The FedMatch authors' code names a FedProx
-    baseline but lacks this term; here it is real (Jeong et al. Table 4: mu = 1e-2).
+    baseline but lacks this term; here it is real (Jeong et al. Table 4: mu = 1e-2). ``model`` may
+    also be the parameters themselves by name (a functional step, :mod:`fedml_ssfl.stacked`).
 
     Returns
     -------
@@ -408,7 +411,8 @@ def proximal_term(model: nn.Module, global_weights: dict[str, torch.Tensor], mu:
     KeyError
         When ``global_weights`` lacks a trainable parameter's name.
     """
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    named = model.named_parameters() if isinstance(model, nn.Module) else model.items()
+    params = [(name, p) for name, p in named if p.requires_grad]
     if mu == 0 or not params:
         return torch.zeros((), device=params[0][1].device if params else None)
     total = torch.zeros((), device=params[0][1].device)

@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "fedml_ssfl.helper_selection",
         ),
     ),
-    ("training", ("fedml_ssfl.training", "fedml_ssfl.metrics")),
+    ("training", ("fedml_ssfl.training", "fedml_ssfl.metrics", "fedml_ssfl.stacked")),
     ("algorithms", ("fedml_ssfl.algorithms",)),
     ("config", ("fedml_ssfl.config", "fedml_ssfl.fedml_compat")),
     ("experiment", ("fedml_ssfl.experiment", "fedml_ssfl.checkpoint", "fedml_ssfl.tracking", "fedml_ssfl.report")),

@@ -113,6 +113,9 @@ class Algorithm:
     requires_all_replies: ClassVar[bool] = False
     """True when a round cannot go on without every chosen client's reply: the FedML runtime then
     fails the run on a malformed reply instead of counting it as an empty one."""
+    stackable: ClassVar[bool] = False
+    """True when :meth:`client_updates_stacked` trains a round's clients together
+    (``train_args.stack_clients``); the config check refuses the option otherwise."""
 
     def __init__(
         self,
@@ -181,3 +184,14 @@ class Algorithm:
         persistent dict, mutated in place.
         """
         raise NotImplementedError
+
+    def client_updates_stacked(
+        self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext
+    ) -> dict[int, Message]:
+        """Every chosen client's :meth:`client_update` of one round, trained together (stacked).
+
+        ``work`` maps each client id to its (message, data, state); the replies come back in the
+        same order and equal what :meth:`client_update` gives one client after another (up to
+        floating-point summation order). Only for algorithms with :attr:`stackable`.
+        """
+        raise NotImplementedError(f"{self.name} does not train clients stacked")

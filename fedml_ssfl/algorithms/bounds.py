@@ -7,6 +7,7 @@
   trains on its labels and is averaged in as one model, exactly as the SSFL benchmark's
   Eq. 5 does, so the only difference from ``fedavg_ssl`` is that clients have labels.
   ``include_server: false`` gives McMahan et al.'s FedAvg weighted by client sample counts.
+  Its clients can train stacked (``train_args.stack_clients``, :mod:`.jobs`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from ..aggregation import fedavg_with_server, weighted_average
-from ..training import InputPipeline, cpu_state, supervised_steps
+from ..stacked import JobResult, LocalJob, supervised_job
+from ..training import InputPipeline
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
 from .global_model import GlobalModelAlgorithm, client_party
+from .jobs import JobAlgorithm
 from .registry import register_algorithm
 
 
@@ -62,7 +65,7 @@ class FedAvgSLConfig(AlgorithmConfig):
 
 
 @register_algorithm
-class FedAvgSL(GlobalModelAlgorithm):
+class FedAvgSL(JobAlgorithm):
     """FedAvg with fully labeled clients: the supervised upper bound."""
 
     name = "fedavg_sl"
@@ -80,23 +83,19 @@ class FedAvgSL(GlobalModelAlgorithm):
     def message_for(self, client_id: int, round_idx: int) -> Message:
         return self.broadcast(round_idx)
 
-    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
-        model = self.scratch_model(msg.weights, ctx.device)
+    def local_job(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> LocalJob | None:
+        """T weakly augmented cross-entropy steps on all the client's samples, from the global model."""
         idx = torch.cat([data.unlabeled_idx, data.labeled_idx])
         if idx.numel() == 0:
-            return Message()
-        loss = supervised_steps(
-            model,
-            InputPipeline(self.data_info, ctx.device),
-            data.images,
-            data.labels,
-            idx,
-            self.train,
-            ctx.round_idx,
-            ctx.generator(data.client_id),
-            party=client_party(data.client_id),
-        )
-        return Message(weights=cpu_state(model), num_samples=int(idx.numel()), extras={"metrics": {"loss": loss}})
+            return None
+        pipeline = InputPipeline(self.data_info, ctx.device)
+        gen, party = ctx.generator(data.client_id), client_party(data.client_id)
+        return supervised_job(pipeline, data.images, data.labels, idx, self.train, gen, party, msg.weights)
+
+    def client_reply(self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict) -> Message:
+        loss = result.metrics.get("loss", 0.0)
+        samples = data.num_unlabeled + data.num_labeled
+        return Message(weights=result.weights, num_samples=samples, extras={"metrics": {"loss": loss}})
 
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
         states = [m.weights for m in replies.values() if not m.is_empty]

@@ -65,7 +65,9 @@ one class within round 0 (measurements in ``configs/mnist5k/fedavg_ssl_bootstrap
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,19 +76,18 @@ from .. import seeding
 from ..aggregation import fedavg_with_server, grouping_average, weight_diversity
 from ..errors import ConfigError
 from ..ssl import masked_consistency_loss
+from ..stacked import TRUTH, JobResult, LocalJob
 from ..training import (
     BatchStream,
     InputPipeline,
-    Phase,
-    Step,
     cpu_state,
     load_momentum_buffers,
     make_optimizer,
     momentum_buffers,
-    run_steps,
 )
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .global_model import GlobalModelAlgorithm, client_party
+from .global_model import client_party
+from .jobs import JobAlgorithm
 from .registry import register_algorithm
 
 
@@ -162,8 +163,30 @@ class FedAvgSSLConfig(AlgorithmConfig):
             )
 
 
+@dataclass(frozen=True)
+class ConsistencyStepLoss:
+    """One client step's Eq. 6 (CRL: ``weak`` and ``strong`` in the batch) or Eq. 3 (self-training: ``weak``).
+
+    CRL puts alpha(x) and A(x) through the model in one forward pass; the weak half gives the
+    pseudo-label (kept where its confidence reaches ``threshold``), the strong half is trained on
+    it. Self-training pseudo-labels and trains on the same alpha(x). A pure step loss
+    (:data:`~fedml_ssfl.stacked.StepLoss`).
+    """
+
+    threshold: float
+
+    def __call__(self, forward: Callable, params: Any, consts: Any, batch: Any, s: int) -> tuple:
+        if "strong" in batch:
+            logits_weak, logits_train = forward(torch.cat([batch["weak"], batch["strong"]])).chunk(2)
+        else:
+            logits_weak = logits_train = forward(batch["weak"])
+        loss, pl = masked_consistency_loss(logits_train, logits_weak.detach().softmax(dim=1), self.threshold)
+        pseudo = {"pseudo_labels": pl.labels, "pseudo_confidence": pl.confidence, "pseudo_mask": pl.mask}
+        return loss, {"metrics": {"mask_rate": pl.mask.float().mean()}, **pseudo}
+
+
 @register_algorithm
-class FedAvgSSL(GlobalModelAlgorithm):
+class FedAvgSSL(JobAlgorithm):
     """Zhang et al.'s SSFL: CRL or self-training on clients, FedAvg or grouping on the server."""
 
     name = "fedavg_ssl"
@@ -239,50 +262,54 @@ class FedAvgSSL(GlobalModelAlgorithm):
         return self.broadcast(round_idx)
 
     # ---- client ------------------------------------------------------------------------
-    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
-        """T steps of Eq. 6 (CRL) or Eq. 3 (self-training) from the received model.
+    def local_job(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> LocalJob | None:
+        """T steps of Eq. 6 (CRL) or Eq. 3 (self-training) from the received model, as a job.
 
         ``state`` holds the client's momentum buffers (``persistent_momentum``) and its own
-        BatchNorm statistics (``average_buffers: false``), both carried to its next round.
+        BatchNorm statistics (``average_buffers: false``), both carried to its next round
+        (:meth:`client_reply`). None for a client without unlabeled data.
         """
         if data.num_unlabeled == 0:
-            return Message()
+            return None
         cfg = self.config
         weights = dict(msg.weights)
         if not cfg.average_buffers:
             weights.update(state.get("buffers", {}))  # the client's own BN statistics, not the server's
-        model = self.scratch_model(weights, ctx.device)
-        model.train()
         pipeline = InputPipeline(self.data_info, ctx.device)
         gen = ctx.generator(data.client_id)
-        opt = self.optimizer(model, state.get("momentum", {}))
         stream = BatchStream(data.unlabeled_idx, self.train.batch_size, gen)
+        crl = cfg.user_loss == "crl"
 
-        def step(s: int) -> Step:
+        def draw(s: int) -> dict[str, torch.Tensor]:
             batch = next(stream)
-            weak = pipeline.weak(data.images[batch], gen)
-            if cfg.user_loss == "crl":
-                # Eq. 6: alpha(x) and A(x) in one forward pass; the weak half gives the pseudo-label
-                strong = pipeline.strong(data.images[batch], gen)
-                logits_weak, logits_strong = model(torch.cat([weak, strong])).chunk(2)
-                logits_train = logits_strong
-            else:
-                # Eq. 3: pseudo-label and cross-entropy on the same alpha(x)
-                logits_weak = logits_train = model(weak)
-            loss, pl = masked_consistency_loss(logits_train, logits_weak.detach().softmax(dim=1), cfg.threshold)
-            return Step(loss, {"mask_rate": pl.mask_rate}, pseudo=pl, truth=data.labels[batch])
+            out = {"weak": pipeline.weak(data.images[batch], gen), TRUTH: data.labels[batch]}
+            if crl:
+                out["strong"] = pipeline.strong(data.images[batch], gen)
+            return out
 
-        party = client_party(data.client_id)
-        metrics = run_steps(Phase(opt, step), self.train.local_steps, self.train, ctx.round_idx, party)
+        momentum = state.get("momentum", {}) if cfg.persistent_momentum else {}
+        return LocalJob(
+            client_party(data.client_id),
+            weights,
+            draw,
+            ConsistencyStepLoss(cfg.threshold),
+            self.train.local_steps,
+            momentum=momentum,
+            nesterov=cfg.nesterov,
+        )
+
+    def client_reply(self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict) -> Message:
+        """The trained model; the client keeps its momentum and its own BatchNorm statistics."""
+        cfg = self.config
         if cfg.persistent_momentum:
-            state["momentum"] = momentum_buffers(opt, model)
-        out = cpu_state(model)
+            state["momentum"] = result.momentum
+        out = result.weights
         if not cfg.average_buffers:
-            params = {name for name, _ in model.named_parameters()}
+            params = set(self.parameter_names())
             own = {k: v.clone() for k, v in out.items() if k not in params}
             if own:
                 state["buffers"] = own
-        return Message(weights=out, num_samples=data.num_unlabeled, extras={"metrics": metrics})
+        return Message(weights=out, num_samples=data.num_unlabeled, extras={"metrics": result.metrics})
 
     # ---- server ------------------------------------------------------------------------
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:

@@ -71,9 +71,11 @@ from ..aggregation import fedavg_with_server, weighted_average
 from ..errors import ConfigError
 from ..ssl import PseudoLabels, fixmatch_loss, tsa_cross_entropy, tsa_threshold, uda_loss
 from ..ssl.uda import TSA_SCHEDULES
-from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, make_optimizer, proximal_term, run_steps
+from ..stacked import TRUTH, JobResult, LocalJob
+from ..training import BatchStream, InputPipeline, proximal_term
 from .base import Algorithm, AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
-from .global_model import GlobalModelAlgorithm, client_party
+from .global_model import client_party
+from .jobs import JobAlgorithm
 from .registry import register_algorithm
 
 
@@ -286,34 +288,87 @@ class FedProxUDAConfig(FedAvgUDAConfig):
 # ---- the shared client step ----------------------------------------------------------------------
 
 
-def train_ssl_client(
+@dataclass
+class SSLStepLoss:
+    """One local step's ``lambda_s l_s + lambda_u l_u (+ FedProx's term)`` from its batch: FixMatch / UDA.
+
+    A pure step loss (:data:`~fedml_ssfl.stacked.StepLoss`): all views of the batch (``x``, the
+    labeled weak view with targets ``y``; ``u_weak`` and ``u_strong``, the unlabeled views) go
+    through the model in one forward pass, as in FixMatch's code, so normalisation layers see one
+    batch; the unlabeled loss gets the weak logits detached; a half absent from the batch is
+    skipped. FedProx's :func:`~fedml_ssfl.training.proximal_term` pulls towards
+    ``consts["anchor"]`` when the job carries one.
+
+    Attributes
+    ----------
+    config : FixMatchConfig or UDAConfig
+        The losses, their weights.
+    train : TrainSettings
+        T and the run length (UDA's TSA progress).
+    num_classes : int
+        K (UDA's TSA threshold).
+    round_idx : int
+        The round (TSA progress).
+    mu : float
+        FedProx's coefficient (used with an anchor).
+    """
+
+    config: Any
+    train: TrainSettings
+    num_classes: int
+    round_idx: int
+    mu: float = 0.0
+
+    def __call__(self, forward: Callable, params: Any, consts: Any, batch: Any, s: int) -> tuple:
+        cfg, train = self.config, self.train
+        logits = forward(torch.cat([batch[k] for k in ("x", "u_weak", "u_strong") if k in batch]))
+        parts: dict[str, torch.Tensor] = {}
+        n_x = 0
+        if "y" in batch:
+            n_x = batch["y"].shape[0]
+            labeled_loss = cfg.labeled_loss(train, self.num_classes) or _cross_entropy
+            step = self.round_idx * train.local_steps + s
+            parts["loss_x"] = cfg.lambda_s * labeled_loss(logits[:n_x], batch["y"], step)
+        pl = None
+        if "u_weak" in batch:
+            logits_weak, logits_strong = logits[n_x:].chunk(2)
+            parts["loss_u"], pl = cfg.unlabeled_loss(logits_strong, logits_weak.detach())
+        zero = torch.zeros((), device=logits.device)
+        loss = parts.get("loss_x", zero) + cfg.lambda_u * parts.get("loss_u", zero)
+        if "anchor" in consts:
+            parts["prox"] = proximal_term(params, consts["anchor"], self.mu)
+            loss = loss + parts["prox"]
+        metrics = {k: v.detach() for k, v in parts.items()}
+        if pl is None:
+            return loss, {"metrics": metrics}
+        metrics["mask_rate"] = pl.mask.float().mean()
+        pseudo = {"pseudo_labels": pl.labels, "pseudo_confidence": pl.confidence, "pseudo_mask": pl.mask}
+        return loss, {"metrics": metrics, **pseudo}
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, step: int) -> torch.Tensor:
+    return F.cross_entropy(logits, labels)
+
+
+def ssl_client_job(
     algo: Algorithm,
-    model: torch.nn.Module,
     data: ClientData,
     ctx: ClientContext,
+    weights: dict[str, torch.Tensor],
     anchor: dict[str, torch.Tensor] | None = None,
     mu: float = 0.0,
-) -> dict[str, float]:
-    """T local steps of ``lambda_s l_s + lambda_u l_u (+ FedProx's term)``: FixMatch / UDA on one client.
+) -> LocalJob:
+    """T local steps of ``lambda_s l_s + lambda_u l_u (+ FedProx's term)`` on one client, as a job.
 
     ``algo.config`` must be a :class:`FixMatchConfig` or :class:`UDAConfig` (the losses, weights,
     unlabeled batch size and weak view); every random draw comes from
     ``ctx.generator(data.client_id)``. Each step draws a labeled batch of ``batch_size`` (the
     weak view; target: its labels) and an unlabeled batch of ``unlabeled_batch_size`` shown
-    twice, as the weak view and as A(u). All views go through the model in one forward pass, as
-    in FixMatch's code, so normalisation layers see one batch. The unlabeled loss gets the weak
-    logits detached. A half with no samples is skipped. ``labeled_idx`` is the only place labels
-    are read for training; the labels at ``unlabeled_idx`` only feed the ``pseudo_acc``
-    diagnostic. ``anchor`` and ``mu``: FedProx's :func:`~fedml_ssfl.training.proximal_term`
-    towards ``anchor`` (the round's global weights), skipped when ``anchor`` is None or
-    ``mu == 0``.
-
-    Returns
-    -------
-    dict[str, float]
-        Step means of ``loss``, ``loss_x`` (weighted by ``lambda_s``), ``loss_u``, ``prox``,
-        ``mask_rate`` (those that apply) and ``pseudo_acc`` (of the kept pseudo-labels, when any
-        was kept); see :func:`~fedml_ssfl.training.run_steps`.
+    twice, as the weak view and as A(u); the loss is :class:`SSLStepLoss`. ``labeled_idx`` is the
+    only place labels are read for training; the labels at ``unlabeled_idx`` only feed the
+    ``pseudo_acc`` diagnostic. ``anchor`` and ``mu``: FedProx's
+    :func:`~fedml_ssfl.training.proximal_term` towards ``anchor`` (the round's global weights),
+    skipped when ``anchor`` is None or ``mu == 0``. The job starts from ``weights``.
 
     Raises
     ------
@@ -324,55 +379,36 @@ def train_ssl_client(
     images, labels, gen = data.images, data.labels, ctx.generator(data.client_id)
     party = client_party(data.client_id)
     if data.num_labeled == 0 and data.num_unlabeled == 0:
-        raise ValueError(f"train_ssl_client: {party} has no labeled and no unlabeled samples")
+        raise ValueError(f"ssl_client_job: {party} has no labeled and no unlabeled samples")
     pipeline = InputPipeline(algo.data_info, device)
-    model.train()
-    opt = make_optimizer(model, train)
     stream_x = BatchStream(data.labeled_idx, train.batch_size, gen) if data.num_labeled else None
     view = pipeline.weak if cfg.weak_view == "weak" else (lambda imgs, gen: pipeline.plain(imgs))
     unlabeled_batch = cfg.unlabeled_batch_size or train.batch_size
     stream_u = BatchStream(data.unlabeled_idx, unlabeled_batch, gen) if data.num_unlabeled else None
     prox_on = anchor is not None and mu != 0
-    if prox_on:
-        anchor = {k: v.to(device) for k, v in anchor.items()}
-    labeled_loss = cfg.labeled_loss(train, data.num_classes) or (lambda logits, y, step: F.cross_entropy(logits, y))
 
-    def step(s: int) -> Step:
-        views, y, batch_u = [], None, None
+    def draw(s: int) -> dict[str, torch.Tensor]:
+        batch = {}
         if stream_x is not None:
             batch_x = next(stream_x)
-            views.append(view(images[batch_x], gen))
-            y = labels[batch_x].to(device)
+            batch["x"] = view(images[batch_x], gen)
+            batch["y"] = labels[batch_x].to(device)
         if stream_u is not None:
             batch_u = next(stream_u)
-            views.append(view(images[batch_u], gen))
-            views.append(pipeline.strong(images[batch_u], gen))
-        logits = model(torch.cat(views))
-        parts: dict[str, torch.Tensor | float] = {}
-        n_x = 0
-        if y is not None:
-            n_x = y.numel()
-            parts["loss_x"] = cfg.lambda_s * labeled_loss(logits[:n_x], y, ctx.round_idx * train.local_steps + s)
-        pl = None
-        if batch_u is not None:
-            logits_weak, logits_strong = logits[n_x:].chunk(2)
-            parts["loss_u"], pl = cfg.unlabeled_loss(logits_strong, logits_weak.detach())
-        zero = torch.zeros((), device=device)
-        loss = parts.get("loss_x", zero) + cfg.lambda_u * parts.get("loss_u", zero)
-        if prox_on:
-            parts["prox"] = proximal_term(model, anchor, mu)
-            loss = loss + parts["prox"]
-        if pl is None:
-            return Step(loss, parts)
-        return Step(loss, {**parts, "mask_rate": pl.mask_rate}, pseudo=pl, truth=labels[batch_u])
+            batch["u_weak"] = view(images[batch_u], gen)
+            batch["u_strong"] = pipeline.strong(images[batch_u], gen)
+            batch[TRUTH] = labels[batch_u]
+        return batch
 
-    return run_steps(Phase(opt, step), train.local_steps, train, ctx.round_idx, party)
+    loss = SSLStepLoss(cfg, train, data.num_classes, ctx.round_idx, mu if prox_on else 0.0)
+    consts = {"anchor": dict(anchor)} if prox_on else {}
+    return LocalJob(party, weights, draw, loss, train.local_steps, consts=consts)
 
 
 # ---- the algorithm -------------------------------------------------------------------------------
 
 
-class FedSSLBaseline(GlobalModelAlgorithm):
+class FedSSLBaseline(JobAlgorithm):
     """FedAvg / FedProx with a FixMatch or UDA client loss, in either label scenario.
 
     The unlabeled loss comes from the config class (:class:`FixMatchConfig` or
@@ -415,16 +451,18 @@ class FedSSLBaseline(GlobalModelAlgorithm):
     def message_for(self, client_id: int, round_idx: int) -> Message:
         return self.broadcast(round_idx)
 
-    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+    def local_job(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> LocalJob | None:
+        """:func:`ssl_client_job` from the received model (FedProx: anchored to it); None without data."""
         if data.num_labeled == 0 and data.num_unlabeled == 0:
-            return Message()
-        model = self.scratch_model(msg.weights, ctx.device)
+            return None
         mu = self.mu
-        metrics = train_ssl_client(self, model, data, ctx, anchor=msg.weights if mu else None, mu=mu)
+        return ssl_client_job(self, data, ctx, msg.weights, anchor=msg.weights if mu else None, mu=mu)
+
+    def client_reply(self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict) -> Message:
         return Message(
-            weights=cpu_state(model),
+            weights=result.weights,
             num_samples=data.num_labeled + data.num_unlabeled,
-            extras={"metrics": metrics},
+            extras={"metrics": result.metrics},
         )
 
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:

@@ -45,10 +45,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..training import InputPipeline, cpu_state, supervised_steps
+from ..stacked import JobResult, LocalJob, supervised_job
+from ..training import InputPipeline
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .fedssl_baselines import FixMatchConfig, UDAConfig, train_ssl_client
-from .global_model import GlobalModelAlgorithm, client_party
+from .fedssl_baselines import FixMatchConfig, UDAConfig, ssl_client_job
+from .global_model import client_party
+from .jobs import JobAlgorithm
 from .registry import register_algorithm
 
 LOCAL_SCENARIO_NOTE = (
@@ -105,10 +107,11 @@ class ClientModels(Sequence[nn.Module]):
             yield self[k]
 
 
-class LocalBaseline(GlobalModelAlgorithm):
+class LocalBaseline(JobAlgorithm):
     """Each client trains its own model; the server only hands out the initial model once.
 
-    ``global_state`` holds the common initial model; subclasses write :meth:`train_client`.
+    ``global_state`` holds the common initial model; subclasses write :meth:`client_job`. The
+    clients can train stacked (``train_args.stack_clients``, :mod:`.jobs`).
     """
 
     label_scenarios = ("client",)
@@ -125,11 +128,12 @@ class LocalBaseline(GlobalModelAlgorithm):
         """How many samples the client trains on (0: it has nothing to do, and sends nothing)."""
         raise NotImplementedError
 
-    def train_client(self, model: nn.Module, data: ClientData, ctx: ClientContext) -> dict[str, float]:
-        """T local steps on the client's own data; returns metrics."""
+    def client_job(self, weights: dict[str, torch.Tensor], data: ClientData, ctx: ClientContext) -> LocalJob:
+        """T local steps on the client's own data from ``weights``, as a job."""
         raise NotImplementedError
 
-    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+    def local_job(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> LocalJob | None:
+        """The client's own model (the initial one the first time) trained on its own data; None without data."""
         weights = state.get("model") or msg.weights
         if not weights:
             raise RuntimeError(
@@ -137,14 +141,14 @@ class LocalBaseline(GlobalModelAlgorithm):
                 "(the server sends the initial model with a client's first message only)"
             )
         state["model"] = dict(weights)
+        if self.num_train_samples(data) == 0:
+            return None
+        return self.client_job(weights, data, ctx)
+
+    def client_reply(self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict) -> Message:
+        state["model"] = result.weights
         n = self.num_train_samples(data)
-        if n == 0:
-            return Message()
-        model = self.scratch_model(weights, ctx.device)
-        metrics = self.train_client(model, data, ctx)
-        new = cpu_state(model)
-        state["model"] = new
-        return Message(num_samples=n, extras={"eval_weights": new, "metrics": metrics})
+        return Message(num_samples=n, extras={"eval_weights": result.weights, "metrics": result.metrics})
 
     # ---- server ------------------------------------------------------------------------
     def message_for(self, client_id: int, round_idx: int) -> Message:
@@ -214,19 +218,10 @@ class LocalSL(LocalBaseline):
     def num_train_samples(self, data: ClientData) -> int:
         return int(self._indices(data).numel())
 
-    def train_client(self, model: nn.Module, data: ClientData, ctx: ClientContext) -> dict[str, float]:
-        loss = supervised_steps(
-            model,
-            InputPipeline(self.data_info, ctx.device),
-            data.images,
-            data.labels,
-            self._indices(data),
-            self.train,
-            ctx.round_idx,
-            ctx.generator(data.client_id),
-            party=client_party(data.client_id),
-        )
-        return {"loss": loss}
+    def client_job(self, weights: dict[str, torch.Tensor], data: ClientData, ctx: ClientContext) -> LocalJob:
+        pipeline = InputPipeline(self.data_info, ctx.device)
+        gen, party = ctx.generator(data.client_id), client_party(data.client_id)
+        return supervised_job(pipeline, data.images, data.labels, self._indices(data), self.train, gen, party, weights)
 
 
 class _LocalSSL(LocalBaseline):
@@ -235,8 +230,8 @@ class _LocalSSL(LocalBaseline):
     def num_train_samples(self, data: ClientData) -> int:
         return data.num_labeled + data.num_unlabeled
 
-    def train_client(self, model: nn.Module, data: ClientData, ctx: ClientContext) -> dict[str, float]:
-        return train_ssl_client(self, model, data, ctx)
+    def client_job(self, weights: dict[str, torch.Tensor], data: ClientData, ctx: ClientContext) -> LocalJob:
+        return ssl_client_job(self, data, ctx, weights)
 
 
 @register_algorithm

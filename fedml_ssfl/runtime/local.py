@@ -122,10 +122,19 @@ def run_local(
 
 
 def run_round(exp: Experiment, r: int, client_states: dict[int, dict]) -> dict[str, Any]:
-    """One federated round; returns its metrics row (without test accuracy)."""
+    """One federated round; returns its metrics row (without test accuracy).
+
+    The chosen clients train one after another, or together (``train_args.stack_clients``:
+    :meth:`~fedml_ssfl.algorithms.base.Algorithm.client_updates_stacked`).
+    """
     cfg, algo = exp.config, exp.algorithm
     start = start_round(exp, r)
     ctx = ClientContext(round_idx=r, device=exp.device, seed=cfg.common_args.random_seed)
+    if cfg.train_args.stack_clients:
+        work = {k: (start.messages[k], exp.client_data(k, r), client_states[k]) for k in start.chosen}
+        with seeding.global_stream(ctx.seed, "client", r, "stacked", device=exp.device):
+            replies = algo.client_updates_stacked(work, ctx)
+        return finish_round(exp, start, replies, sum(message_nbytes(m) for m in replies.values()))
     up = 0
     replies: dict[int, Message] = {}
     for k in start.chosen:

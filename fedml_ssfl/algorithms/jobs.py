@@ -1,0 +1,59 @@
+"""Global-model algorithms whose client update is one :class:`~fedml_ssfl.stacked.LocalJob`.
+
+Such an algorithm writes two halves of its client update, :meth:`JobAlgorithm.local_job` (from
+the message, data and state: where the client starts, how it draws its batches, its step loss)
+and :meth:`JobAlgorithm.client_reply` (from the trained result: the reply, and what goes into
+the client's state). The base class joins them two ways with the same halves:
+
+* :meth:`~JobAlgorithm.client_update`: one client, trained by
+  :func:`~fedml_ssfl.stacked.run_job` (``torch.optim.SGD``, one step after another);
+* :meth:`~JobAlgorithm.client_updates_stacked`: a round's clients trained together by
+  :func:`~fedml_ssfl.stacked.run_stacked` (``train_args.stack_clients: true``).
+
+The maths is the same either way; only the summation order of the batched kernels differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ..stacked import JobResult, LocalJob, run_job, run_stacked
+from .base import ClientContext, ClientData, Message
+from .global_model import GlobalModelAlgorithm
+
+
+class JobAlgorithm(GlobalModelAlgorithm):
+    """A :class:`GlobalModelAlgorithm` whose client trains one :class:`~fedml_ssfl.stacked.LocalJob`."""
+
+    stackable: ClassVar[bool] = True
+
+    def local_job(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> LocalJob | None:
+        """The client's local training as a job; None when it has nothing to train on (it replies empty)."""
+        raise NotImplementedError
+
+    def client_reply(
+        self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict[str, Any]
+    ) -> Message:
+        """The reply from the trained ``result``; also updates the client's ``state`` in place."""
+        raise NotImplementedError
+
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        job = self.local_job(msg, data, state, ctx)
+        if job is None:
+            return Message()
+        model = self.scratch_model(job.weights, ctx.device)
+        return self.client_reply(job, run_job(job, model, self.train, ctx.round_idx), msg, data, state)
+
+    def client_updates_stacked(
+        self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext
+    ) -> dict[int, Message]:
+        jobs = {k: self.local_job(msg, data, state, ctx) for k, (msg, data, state) in work.items()}
+        live = [k for k, job in jobs.items() if job is not None]
+        replies = {k: Message() for k in work}
+        if live:
+            model = self.scratch_model(jobs[live[0]].weights, ctx.device)
+            results = run_stacked([jobs[k] for k in live], model, self.train, ctx.round_idx)
+            for k, result in zip(live, results):
+                msg, data, state = work[k]
+                replies[k] = self.client_reply(jobs[k], result, msg, data, state)
+        return replies
