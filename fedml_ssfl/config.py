@@ -127,6 +127,7 @@ class TrainArgs:
     # the local runtime trains a round's clients together, stacked along a client dimension (torch.func):
     # the same maths as one after another (docs/performance.md, "Stacked clients"); some algorithms only
     stack_clients: bool = False
+    stack_size: int = 0  # stack_clients: at most this many clients in one stack (memory, CPU caches); 0: all
 
 
 @dataclass
@@ -234,6 +235,7 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("train_args.lr_cosine_c", 0.0, None, False),
     ("train_args.lr_warmup_rounds", 0, None, True),
     ("train_args.lr_floor", 0.0, 1.0, True),
+    ("train_args.stack_size", 0, None, True),
     ("validation_args.frequency_of_the_test", 1, None, True),
     ("validation_args.eval_batch_size", 1, None, True),
     ("tracking_args.checkpoint_every", 1, None, True),

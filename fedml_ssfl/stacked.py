@@ -27,8 +27,12 @@ included), momentum buffers and batches are stacked along a new leading client d
 gradient clipping) is written out on the stacked tensors exactly as ``torch.optim.SGD`` and
 ``clip_grad_norm_`` compute it. The learning rate of step ``s`` is Eq. 9's, as in
 :func:`~fedml_ssfl.training.run_steps` (``lr="train"``). Results equal the one-after-another
-path's up to floating-point summation order (a batched convolution adds in another order):
-well within 1e-4 for a round (``tests/test_stacked.py``).
+path's up to floating-point summation order (batched GroupNorm and linear layers add in another
+order): about 1e-7 a step, below 1e-6 after the tests' rounds (``tests/test_stacked.py``). Over
+long runs a value within rounding of a ReLU's or max-pool's decision now and then falls the
+other way, that step's gradient differs by up to ~1e-3 in a few weights, and the paths drift
+apart (1e-4 to 6e-4 after 60 steps; changing torch's thread count moves the one-after-another path
+by up to 5e-4 alike: ``benchmarks/stacked_clients.py``, docs/performance.md).
 
 Jobs that cannot share a stack (another batch shape, e.g. a client with fewer samples than the
 batch size; another step count, loss, or set of momentum buffers) are put in separate groups, each
@@ -141,10 +145,10 @@ def job_step(job: LocalJob, model: nn.Module) -> Callable[[int], Step]:
     """The step function of ``job`` on ``model`` (for :class:`~fedml_ssfl.training.Phase`)."""
     device = next(model.parameters()).device
     consts = _tree_map(lambda t: t.to(device), job.consts)
+    params = dict(model.named_parameters())  # the optimiser updates them in place
 
     def step(s: int) -> Step:
         batch, truth = _split_truth(job.draw(s))
-        params = dict(model.named_parameters())
         loss, aux = job.loss(model, params, consts, batch, s)
         pseudo = None
         if "pseudo_mask" in aux:
@@ -256,10 +260,11 @@ def _signature(job: LocalJob, first: Mapping[str, Tree]) -> tuple:
     )
 
 
-def stack_groups(jobs: Sequence[LocalJob], firsts: Sequence[Mapping[str, Tree]]) -> list[list[int]]:
+def stack_groups(jobs: Sequence[LocalJob], firsts: Sequence[Mapping[str, Tree]], max_stack: int = 0) -> list[list[int]]:
     """Indices of ``jobs`` grouped by what a stack must share, in first-appearance order.
 
-    ``firsts`` are the jobs' step-0 batches (their shapes decide).
+    ``firsts`` are the jobs' step-0 batches (their shapes decide). ``max_stack > 0`` splits a
+    group into stacks of at most that many jobs (memory; CPU caches); 0: no limit.
     """
     keys: list[tuple] = []
     groups: list[list[int]] = []
@@ -272,6 +277,8 @@ def stack_groups(jobs: Sequence[LocalJob], firsts: Sequence[Mapping[str, Tree]])
         else:
             keys.append(key)
             groups.append([i])
+    if max_stack > 0:
+        groups = [g[i : i + max_stack] for g in groups for i in range(0, len(g), max_stack)]
     return groups
 
 
@@ -395,12 +402,15 @@ def _train_group(
     return out
 
 
-def run_stacked(jobs: Sequence[LocalJob], model: nn.Module, train: TrainSettings, round_idx: int) -> list[JobResult]:
+def run_stacked(
+    jobs: Sequence[LocalJob], model: nn.Module, train: TrainSettings, round_idx: int, max_stack: int = 0
+) -> list[JobResult]:
     """Train ``jobs`` together, stacked along a client dimension; one :class:`JobResult` per job, in order.
 
     ``model`` (on the training device) gives the architecture; its own tensors are not used or
     changed (``functional_call`` swaps each client's in). Jobs are grouped by :func:`stack_groups`
-    and each group trains as one stack; each job draws its batches in its own order, as alone.
+    (at most ``max_stack`` to a stack when > 0) and each group trains as one stack; each job draws
+    its batches in its own order, as alone.
 
     Raises
     ------
@@ -413,7 +423,7 @@ def run_stacked(jobs: Sequence[LocalJob], model: nn.Module, train: TrainSettings
     model.train()
     firsts = [job.draw(0) for job in jobs]
     results: list[JobResult | None] = [None] * len(jobs)
-    for members in stack_groups(jobs, firsts):
+    for members in stack_groups(jobs, firsts, max_stack):
         trained = _train_group([jobs[i] for i in members], [firsts[i] for i in members], model, train, round_idx)
         for i, res in zip(members, trained):
             results[i] = res

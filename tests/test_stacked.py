@@ -141,6 +141,25 @@ def test_stacking_is_not_bypassed(small_config, monkeypatch) -> None:
     assert calls == [3]
 
 
+def test_stack_size_bounds_each_stack(small_config, monkeypatch) -> None:
+    """``train_args.stack_size: 2`` trains the round's 3 clients as stacks of 2 and 1."""
+    sizes: list[int] = []
+    real = stacked._train_group
+
+    def counting(jobs, *args, **kwargs):
+        sizes.append(len(jobs))
+        return real(jobs, *args, **kwargs)
+
+    monkeypatch.setattr(stacked, "_train_group", counting)
+    cfg = small_config(
+        *SIZE, "ssfl_args.algorithm=fedavg_sl", "train_args.stack_clients=true", "train_args.stack_size=2"
+    )
+    exp = build_experiment(cfg)
+    exp.algorithm.setup()
+    run_round(exp, 0, {k: {} for k in range(4)})
+    assert sizes == [2, 1]
+
+
 def test_stacking_off_trains_one_after_another(small_config, monkeypatch) -> None:
     def refused(*args, **kwargs):
         raise AssertionError("stacked although train_args.stack_clients is false")
@@ -195,6 +214,7 @@ def test_run_stacked_equals_run_job_in_groups(norm: str) -> None:
     jobs = tiny_jobs(sizes, train, norm, frozenset({3}), clip=0.5)
     firsts = [job.draw(0) for job in tiny_jobs(sizes, train, norm, frozenset({3}), clip=0.5)]
     assert stack_groups(jobs, firsts) == [[0, 1], [2], [3]]
+    assert stack_groups(jobs, firsts, max_stack=1) == [[0], [1], [2], [3]]
     together = run_stacked(jobs, CNN28(3, 1, norm), train, 0)
     for job, a, b in zip(jobs, alone, together):
         assert max_diff(a.weights, b.weights) <= TOL

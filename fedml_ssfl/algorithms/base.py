@@ -186,12 +186,13 @@ class Algorithm:
         raise NotImplementedError
 
     def client_updates_stacked(
-        self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext
+        self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext, max_stack: int = 0
     ) -> dict[int, Message]:
         """Every chosen client's :meth:`client_update` of one round, trained together (stacked).
 
         ``work`` maps each client id to its (message, data, state); the replies come back in the
         same order and equal what :meth:`client_update` gives one client after another (up to
-        floating-point summation order). Only for algorithms with :attr:`stackable`.
+        floating-point summation order). ``max_stack > 0``: at most that many clients in one stack.
+        Only for algorithms with :attr:`stackable`.
         """
         raise NotImplementedError(f"{self.name} does not train clients stacked")

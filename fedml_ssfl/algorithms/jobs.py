@@ -45,14 +45,14 @@ class JobAlgorithm(GlobalModelAlgorithm):
         return self.client_reply(job, run_job(job, model, self.train, ctx.round_idx), msg, data, state)
 
     def client_updates_stacked(
-        self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext
+        self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext, max_stack: int = 0
     ) -> dict[int, Message]:
         jobs = {k: self.local_job(msg, data, state, ctx) for k, (msg, data, state) in work.items()}
         live = [k for k, job in jobs.items() if job is not None]
         replies = {k: Message() for k in work}
         if live:
             model = self.scratch_model(jobs[live[0]].weights, ctx.device)
-            results = run_stacked([jobs[k] for k in live], model, self.train, ctx.round_idx)
+            results = run_stacked([jobs[k] for k in live], model, self.train, ctx.round_idx, max_stack)
             for k, result in zip(live, results):
                 msg, data, state = work[k]
                 replies[k] = self.client_reply(jobs[k], result, msg, data, state)

@@ -133,7 +133,7 @@ def run_round(exp: Experiment, r: int, client_states: dict[int, dict]) -> dict[s
     if cfg.train_args.stack_clients:
         work = {k: (start.messages[k], exp.client_data(k, r), client_states[k]) for k in start.chosen}
         with seeding.global_stream(ctx.seed, "client", r, "stacked", device=exp.device):
-            replies = algo.client_updates_stacked(work, ctx)
+            replies = algo.client_updates_stacked(work, ctx, cfg.train_args.stack_size)
         return finish_round(exp, start, replies, sum(message_nbytes(m) for m in replies.values()))
     up = 0
     replies: dict[int, Message] = {}
