@@ -237,7 +237,7 @@ def _stack(trees: Sequence[Tree], device: torch.device) -> Tree:
     """Stack equal-shaped trees along a new leading dimension, on ``device``."""
     if isinstance(trees[0], Mapping):
         return {k: _stack([t[k] for t in trees], device) for k in trees[0]}
-    return torch.stack([t.to(device) for t in trees])
+    return torch.stack(list(trees)).to(device)  # one copy to the device for host-side tensors
 
 
 def _shapes(tree: Tree) -> Any:

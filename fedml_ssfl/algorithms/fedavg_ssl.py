@@ -202,7 +202,7 @@ class FedAvgSSL(JobAlgorithm):
     # ---- shared ------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
         """State-dict keys of the model's parameters (what is averaged by default)."""
-        if self._param_names is None:
+        if getattr(self, "_param_names", None) is None:  # a FedML worker's client side never runs setup()
             with torch.random.fork_rng(devices=[]):  # building a model must not move the seeded streams
                 self._param_names = [name for name, _ in self.model_fn().named_parameters()]
         return self._param_names
