@@ -111,18 +111,3 @@ def weight_diversity(before: State, after: Sequence[State], keys: Sequence[str] 
             total[k] = total[k] + g if k in total else g
     den = sum(float((t * t).sum()) for t in total.values())
     return num / den if den > 0 else float("nan")
-
-
-def check_update(reference: State, update: State) -> str | None:
-    """Why an update cannot be averaged (wrong keys, shapes or non-finite values), or ``None``."""
-    if set(update) != set(reference):
-        missing = sorted(set(reference) - set(update))[:3]
-        extra = sorted(set(update) - set(reference))[:3]
-        return f"keys differ (missing {missing}, unexpected {extra})"
-    for k, ref in reference.items():
-        t = update[k]
-        if t.shape != ref.shape:
-            return f"'{k}' has shape {tuple(t.shape)}, expected {tuple(ref.shape)}"
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            return f"'{k}' has NaN or infinite values"
-    return None

@@ -119,10 +119,10 @@ def test_malformed_reply_is_refused_and_the_round_goes_on(small_config, tmp_path
 
     def poison(r, w, up):
         if r == 0 and w == 1:
-            name = next(iter(up["msg"].weights))
-            up["msg"].weights[name] = torch.full_like(up["msg"].weights[name], float("nan"))
+            name = next(iter(up.msg.weights))
+            up.msg.weights[name] = torch.full_like(up.msg.weights[name], float("nan"))
         if r == 1 and w == 2:
-            up["msg"].weights["not.a.layer"] = torch.zeros(3)
+            up.msg.weights["not.a.layer"] = torch.zeros(3)
         return up
 
     res, rt, _ = run_protocol(cfg, tmp_path / "run", tamper=poison)

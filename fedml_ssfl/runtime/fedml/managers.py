@@ -19,7 +19,8 @@ from fedml.cross_silo.server.fedml_aggregator import FedMLAggregator
 from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
 from fedml.cross_silo.server.message_define import MyMessage
 
-from .hooks import SSFLAggregator
+from .hooks import SSFLAggregator, unwrap
+from .protocol import Failure, Finish
 from .security import (
     membership_diff,
     proof,
@@ -35,7 +36,7 @@ MEMBERSHIP, PROOF, REFUSED = "ssfl_membership", "ssfl_proof", "ssfl_refused"
 
 
 def is_finish(payload: Any) -> bool:
-    return isinstance(payload, dict) and payload.get("kind") == "finish"
+    return isinstance(payload, Finish)
 
 
 class SSFLSiloAggregator(FedMLAggregator):
@@ -128,8 +129,8 @@ class SSFLServerManager(FedMLServerManager):
             return
         payload = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
         sender = int(msg_params.get_sender_id())
-        if isinstance(payload, dict) and payload.get("kind") == "error":
-            self.fail(self.runtime.client_error(payload))
+        if isinstance(unwrap(payload), Failure):
+            self.fail(self.runtime.client_error(unwrap(payload)))
             return
         self.runtime.received(sender)
         try:
