@@ -336,6 +336,19 @@ def dying_config(tmp: Path) -> ExperimentConfig:
     )
 
 
+SMOKE = ROOT / "configs" / "fedml" / "digits_tiny_mpi.yaml"
+
+# The shipped smoke job's final test accuracy must exceed this. Chance is 10%; the config's earlier
+# settings (3 rounds of T = 3 from a random model) ended at 24% with every client loss 0; the
+# server_only baseline of the same config (--set ssfl_args.algorithm=server_only) ends at 73.5%.
+SMOKE_FLOOR = 0.75
+
+
+def smoke_config(tmp: Path) -> ExperimentConfig:
+    """configs/fedml/digits_tiny_mpi.yaml as shipped, writing under ``tmp``."""
+    return load_config(SMOKE, [f"common_args.output_dir={tmp / 'runs'}"])
+
+
 @pytest.fixture(scope="module")
 def multi_job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mpi_registry")
@@ -344,6 +357,7 @@ def multi_job(tmp_path_factory):
         cfg = registry_config(tmp, name)
         manifest.append({"name": name, "config": str(write(cfg, tmp / f"{name}.yaml"))})
     manifest.append({"name": "stateful", "config": str(write(stateful_config(tmp), tmp / "stateful.yaml"))})
+    manifest.append({"name": "smoke", "config": str(write(smoke_config(tmp), tmp / "smoke.yaml"))})
     # the faults go last: a client that raises (the run fails, the job goes on), then a worker
     # process that dies (mpirun ends the job)
     manifest.append(
@@ -388,6 +402,16 @@ def test_client_state_follows_its_silo_across_workers_under_mpirun(multi_job):
     rows = metrics(cfg.run_dir())
     assert sum(r["state_bytes_down"] for r in rows) > 0  # some silo's state was shipped to a new worker
     assert [r["test_acc"] for r in rows] == [r["test_acc"] for r in metrics(local.run_dir)]
+
+
+def test_the_shipped_smoke_job_learns_under_mpirun(multi_job):
+    assert multi_job["results"]["smoke"] == 0, multi_job["proc"].stderr[-4000:]
+    cfg = smoke_config(multi_job["tmp"])
+    rows = metrics(cfg.run_dir())
+    assert [r["round"] for r in rows] == list(range(cfg.train_args.comm_round))
+    assert rows[-1]["test_acc"] > SMOKE_FLOOR, [r["test_acc"] for r in rows]
+    # the clients train: some of their samples pass tau and their loss is not 0, in every round
+    assert all(r["client_mask_rate"] > 0 and r["client_loss"] > 0 for r in rows), rows
 
 
 def check_failed_run(run_dir: Path, stderr: str) -> str:
