@@ -181,6 +181,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             sub_dir = result.run_dir / "compare" / name
             sub_resume = resume and sub_dir.exists()
             results.insert(0, run_local(sub_cfg, run_dir=sub_dir, resume=sub_resume, stop_after=args.stop_after))
+    if len(results) > 1:  # the baselines ran after the run drew its plots: draw them in
+        from .tracking import plot_run
+
+        plot_run(result.run_dir, label=cfg.algorithm)
     print(format_results_table(cfg, results))
     print(f"outputs: {result.run_dir}")
     return 0

@@ -143,7 +143,7 @@ def test_a_stopped_deployment_resumes_to_the_same_end(deployment):
     first = mpirun(4, [str(CLI), "run", "--cf", str(config), *name, "--stop-after", "2"], env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = _run_dir(deployment, "resumed")
-    assert [r["round"] for r in metrics(run_dir)] == [0, 1]
+    assert [r["round"] for r in metrics(run_dir)] == [1, 2]
     second = mpirun(4, [str(CLI), "run", "--cf", str(config), *name, "--resume", str(run_dir)], env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     a = load_checkpoint(_run_dir(deployment) / "checkpoints" / "last.pt")["algorithm"]["global_state"]

@@ -382,7 +382,7 @@ def test_every_algorithm_runs_two_rounds_under_mpirun(algorithm, multi_job):
     assert code == 0, f"{code}\n{multi_job['proc'].stderr[-4000:]}"
     run_dir = registry_config(multi_job["tmp"], algorithm).run_dir()
     rows = metrics(run_dir)
-    assert [r["round"] for r in rows] == [0, 1] and rows[-1]["test_acc"] is not None
+    assert [r["round"] for r in rows] == [1, 2] and rows[-1]["test_acc"] is not None
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["runtime"] == "fedml-MPI"
 
@@ -424,7 +424,7 @@ def check_failed_run(run_dir: Path, stderr: str) -> str:
     # the round-0 NaN reply was refused with a message, and round 0 completed without it
     assert "refused the reply of rank 1 (silo 0)" in stderr and "non-finite" in stderr, stderr[-4000:]
     rows = metrics(run_dir)
-    assert rows[0]["refused_replies"] == 1 and [r["round"] for r in rows] == [0]
+    assert rows[0]["refused_replies"] == 1 and [r["round"] for r in rows] == [1]
     kept = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert kept["round"] == 0
     state = kept["algorithm"]["global_state"]

@@ -40,7 +40,7 @@ def test_run_writes_every_output(small_config, tmp_path):
     res = run_local(cfg, run_dir=tmp_path / "run")
     d = res.run_dir
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert [r["round"] for r in rows] == [1, 2, 3]  # 1-based, as in the plots and TensorBoard
     assert "test_acc" not in rows[0] and "test_acc" in rows[1] and "test_acc" in rows[2]  # every 2 + last
     assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rows)
     # bytes are the real tensor bytes: 4 clients x full float32 model each way
@@ -78,7 +78,7 @@ def test_resume_ends_with_the_uninterrupted_model(small_config, tmp_path, averag
         assert torch.equal(a["global_state"][k], b["global_state"][k]), k
     assert resumed.final_acc == full.final_acc
     rows = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
 
 
 def test_global_stream_is_seeded_per_party_and_restores_the_outer_stream():

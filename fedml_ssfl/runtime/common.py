@@ -153,7 +153,7 @@ def finish_round(
         metrics = algo.aggregate(replies, r)
     train = algo.train
     return {
-        "round": r,
+        "round": r + 1,  # 1-based, as in the plots and TensorBoard (round 1 is the first)
         "clients": len(start.chosen),
         "bytes_up": bytes_up,
         "bytes_down": start.bytes_down,
@@ -196,6 +196,9 @@ class RunRecorder:
         A loaded checkpoint to continue from (the algorithm state is restored here).
     totals_keys : tuple of str
         Row keys summed over the run (and kept in checkpoints).
+    started : float, optional
+        ``time.perf_counter()`` when the run started (default: now); ``wall_seconds`` in
+        summary.json counts from there (plus the wall seconds of the sessions before a resume).
     """
 
     def __init__(
@@ -205,8 +208,11 @@ class RunRecorder:
         run_dir: Path,
         resume_state: dict[str, Any] | None = None,
         totals_keys: tuple[str, ...] = ("bytes_up", "bytes_down", "seconds"),
+        started: float | None = None,
     ) -> None:
         self.cfg, self.exp, self.run_dir = cfg, exp, Path(run_dir)
+        self.started = time.perf_counter() if started is None else started
+        self.wall_before = float((resume_state or {}).get("wall_seconds", 0.0))
         self.ckpt_path = self.run_dir / "checkpoints" / CHECKPOINT_NAME
         self.totals: dict[str, float] = {k: 0.0 if k == "seconds" else 0 for k in totals_keys}
         self.start = 0
@@ -219,8 +225,9 @@ class RunRecorder:
             self.tracker = RunTracker(
                 self.run_dir,
                 cfg.tracking_args.enable_tensorboard,
-                resume_round=self.start - 1 if resume_state is not None else None,
+                resume_after=self.start if resume_state is not None else None,
             )
+            self.tracker.log_config(cfg.to_dict())
         except OSError as exc:
             raise self.write_failed("at the start of the run", exc) from None
         self.measured_r = exp.split.measured_r(exp.dataset.train_labels)
@@ -272,11 +279,16 @@ class RunRecorder:
                         "algorithm": algo.state_dict(),
                         "client_states": client_states,
                         "totals": self.totals,
+                        "wall_seconds": self.wall_seconds(),
                     },
                 )
         except OSError as exc:
             raise self.write_failed(f"round {r}", exc) from None
         return acc
+
+    def wall_seconds(self) -> float:
+        """Wall-clock seconds of the run so far, over all its sessions (resumes add up)."""
+        return self.wall_before + time.perf_counter() - self.started
 
     def _run_dir_lost(self) -> str:
         """How the run folder went away during the run ("" while it is a folder)."""
@@ -322,7 +334,15 @@ class RunRecorder:
         """
         try:
             self._check_run_dir()
-            self.tracker.write_summary({"status": "failed", "error": str(error), "run_dir": str(self.run_dir)})
+            self.tracker.write_summary(
+                {
+                    "status": "failed",
+                    "error": str(error),
+                    "run_dir": str(self.run_dir),
+                    "rounds_completed": len(self.tracker.rows),
+                    "wall_seconds": self.wall_seconds(),
+                }
+            )
         except OSError as exc:
             return RunFailed(f"{error} (summary.json was not written: {exc})")
         kept = self.ckpt_path if self.ckpt_path.exists() else "none yet"
@@ -350,6 +370,7 @@ class RunRecorder:
             "bytes_down_per_round": totals["bytes_down"] / max(done, 1),
             "seconds_total": totals["seconds"],
             "seconds_per_round": totals["seconds"] / max(done, 1),
+            "wall_seconds": self.wall_seconds(),
             "measured_non_iid_r": self.measured_r,
             "config_fingerprint": cfg.fingerprint(),
             "run_dir": str(self.run_dir),
@@ -358,8 +379,9 @@ class RunRecorder:
         try:
             self._check_run_dir()
             if self.tracker.rows:
-                self.tracker.plot()
+                self.tracker.plot(label=cfg.algorithm)
             self.tracker.write_summary(summary)
+            self.tracker.write_hparams(cfg.to_dict(), summary)
         except OSError as exc:
             raise self.write_failed("at the end of the run", exc) from None
         return RunResult(

@@ -15,6 +15,7 @@ with the FedML runtime.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ def run_local(
     -------
     RunResult
     """
+    started = time.perf_counter()  # summary.json's wall_seconds count from here
     base = Path(run_dir) if run_dir is not None else cfg.run_dir()
     run_dir = base if resume else fresh_run_dir(base)
     ckpt_path = run_dir / "checkpoints" / CHECKPOINT_NAME
@@ -91,7 +93,7 @@ def run_local(
     if state is not None:
         client_states = state["client_states"]
         log.info("resuming %s after round %d", run_dir, state["round"])
-    rec = RunRecorder(cfg, exp, run_dir, resume_state=state)
+    rec = RunRecorder(cfg, exp, run_dir, resume_state=state, started=started)
     start = rec.start
 
     rounds = cfg.train_args.comm_round
