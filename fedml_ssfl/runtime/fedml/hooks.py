@@ -45,7 +45,6 @@ from fedml.cross_silo.server.message_define import MyMessage
 from ...config import ConfigError, ExperimentConfig, load_config
 from ...experiment import build_experiment, deployed
 from ..common import RunResult, fresh_run_dir
-from . import wire
 from .launch import _fedml_offline, _with_device, check_server_counts, grpc_rank, mpi_rank, worker_count
 from .payloads import decode, encode
 from .protocol import Finish
@@ -90,7 +89,8 @@ class SSFLAggregator(ServerAggregator):
 
     def __init__(self, model, args, runtime: ServerRuntime | None = None, meter: WireMeter | None = None):
         super().__init__(model, args)
-        self._runtime, self.meter = runtime, meter
+        self._runtime = runtime
+        self.meter = meter if meter is not None else getattr(args, "ssfl_meter", None)
         self.owns_runtime = runtime is None  # then nobody else ends the run: this object writes the summary
         self._marks = (0, 0)
         self.result: RunResult | None = None
@@ -247,7 +247,8 @@ def init(args=None) -> SimpleNamespace:
             from fedml.core.distributed.communication.message import Message as FedMessage
             from mpi4py import MPI
 
-            MPI.pickle.__init__(*wire.codec(FedMessage))  # FedML's MPI messages through the codec, not pickle
+            meter = WireMeter(FedMessage)  # FedML's MPI messages through the codec, not pickle, counted
+            MPI.pickle.__init__(meter.dumps, meter.loads)
         else:
             if not cfg.comm_args.insecure:
                 raise ConfigError(
@@ -278,6 +279,8 @@ def init(args=None) -> SimpleNamespace:
         with contextlib.redirect_stdout(io.StringIO()):
             args = fedml.init(args, check_env=False, should_init_logs=False)
         args.ssfl_config = cfg
+        if cfg.comm_args.backend == "MPI":
+            args.ssfl_meter = meter  # the aggregator records each round's wire bytes from it
         return args
 
 
