@@ -120,6 +120,29 @@ def test_labels_confidence_and_mask_match_the_model(models, batch, tmp_path):
     assert all((r["mask"] == "1") == (int(r["label"]) in (1, 3)) for r in _rows(tmp_path / "c"))
 
 
+def test_a_fixed_batch_model_labels_any_number_of_images(models, batch, tmp_path):
+    """The .ort files take one image a run (batch fixed to 1 for NNAPI / CoreML); the runner batches for them."""
+    images = np.load(batch)
+    labeler = el.EdgeLabeler(models["v4"])
+    assert labeler.info.batch_size == 1 and labeler.info.format_version == el.EDGE_FORMAT_VERSION
+    assert {o.name: o.type for o in labeler.session.get_outputs()}["mask"] == "tensor(uint8)"
+    fixed = labeler.predict(images, batch_size=16)  # the model's own batch wins
+    dynamic = el.EdgeLabeler(models["v4"].with_suffix(".onnx"))  # the same weights, any batch
+    assert dynamic.info.batch_size is None
+    ref = dynamic.predict(images, batch_size=16)
+    np.testing.assert_allclose(fixed["probs"], ref["probs"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(fixed["mask"], ref["mask"])
+    assert fixed["mask"].dtype == bool  # the graph's 0/1 uint8, as a numpy boolean mask
+    assert el.label_images(models["v4"], batch, tmp_path)["batch_size"] == 1
+    with np.load(tmp_path / "pseudo_labels.npz") as npz:
+        assert npz["mask"].dtype == bool and len(npz["mask"]) == 40
+    # the default thresholds are baked in: images alone give the same mask as the metadata's defaults fed
+    probs, label, conf, mask = el.run_batches(labeler.session, images)
+    _, _, _, fed = el.run_batches(labeler.session, images, labeler.thresholds())
+    np.testing.assert_array_equal(mask, fed)
+    assert 0 < mask.sum() < len(mask)
+
+
 def test_self_ensemble_is_the_running_mean_over_model_versions(models, batch, tmp_path):
     images = np.load(batch)
     p3 = el.EdgeLabeler(models["v3"]).predict(images)["probs"]
