@@ -148,15 +148,15 @@ class EdgeMetadata:
         tail = "" if self.weights == DEFAULT_WEIGHTS else f":{self.weights}"
         return f"{self.config_hash or 'unknown'}:round{self.round}{tail}"
 
-    def props(self, precision: str, batch_size: int | None = None) -> dict[str, str]:
-        """String key/values for ``onnx.helper.set_model_props`` (``batch_size`` None: a dynamic batch)."""
+    def props(self, precision: str) -> dict[str, str]:
+        """String key/values for ``onnx.helper.set_model_props`` (``input_shape`` with a dynamic batch, ``N``)."""
         return {
             "format": FORMAT_TAG,
             "class_names": json.dumps(self.class_names),
             "num_classes": str(self.num_classes),
             "mean": json.dumps(self.mean),
             "std": json.dumps(self.std),
-            "input_shape": json.dumps([batch_size or "N", self.in_channels, self.image_size, self.image_size]),
+            "input_shape": json.dumps(["N", self.in_channels, self.image_size, self.image_size]),
             "input_dtype": "uint8",
             "inputs": ",".join(INPUT_NAMES),
             "outputs": ",".join(OUTPUT_NAMES),

@@ -143,6 +143,33 @@ def test_a_fixed_batch_model_labels_any_number_of_images(models, batch, tmp_path
     assert 0 < mask.sum() < len(mask)
 
 
+def test_a_model_of_the_first_contract_still_labels(models, batch, tmp_path):
+    """Format 1 (exported before contract 2): thresholds a required input, mask bool. The runner feeds them."""
+    import onnx
+
+    model = onnx.load(str(models["v4"].with_suffix(".onnx")))
+    kept = [t for t in model.graph.initializer if t.name != "thresholds"]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    where = next(n for n in model.graph.node if n.op_type == "Where" and n.output[0] == "mask")
+    compare = next(n for n in model.graph.node if n.output[0] == where.input[0])
+    compare.output[0] = "mask"
+    model.graph.node.remove(where)
+    next(o for o in model.graph.output if o.name == "mask").type.tensor_type.elem_type = onnx.TensorProto.BOOL
+    next(p for p in model.metadata_props if p.key == "format").value = "fedml_ssfl.edge/1"
+    old = tmp_path / "old.onnx"
+    onnx.save(model, str(old))
+    labeler = el.EdgeLabeler(old)
+    assert labeler.info.format_version == 1 and [i.name for i in labeler.session.get_inputs()] == [
+        "images",
+        "thresholds",
+    ]
+    images = np.load(batch)
+    got, ref = labeler.predict(images), el.EdgeLabeler(models["v4"]).predict(images)
+    np.testing.assert_array_equal(got["mask"], ref["mask"])
+    assert got["mask"].dtype == bool and 0 < got["mask"].sum() < len(images)
+
+
 def test_self_ensemble_is_the_running_mean_over_model_versions(models, batch, tmp_path):
     images = np.load(batch)
     p3 = el.EdgeLabeler(models["v3"]).predict(images)["probs"]
