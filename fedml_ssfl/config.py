@@ -38,7 +38,7 @@ class CommonArgs:
 
     training_type: str = "simulation"  # simulation (local runtime) | cross_silo (FedML)
     random_seed: int = 0
-    run_name: str = "mnist5k_fedavg_ssl"
+    run_name: str = ""  # left out: <dataset>_<algorithm> (see derived_run_name)
     output_dir: str = "runs"
     compare_with: list[str] = field(default_factory=lambda: ["server_only"])
     scenario: str = "horizontal"  # FedML's key; only horizontal is supported
@@ -278,13 +278,29 @@ class ExperimentConfig:
         return Path(self.common_args.output_dir).expanduser() / self.common_args.run_name
 
     def with_algorithm(self, name: str, run_name: str | None = None) -> ExperimentConfig:
-        """A copy running algorithm ``name`` with its defaults (same data, model, seed)."""
+        """A copy running algorithm ``name`` with its defaults (same data, model, seed).
+
+        Without ``run_name`` the copy's name is derived anew (:func:`derived_run_name`).
+        """
         raw = self.to_dict()
         raw["ssfl_args"] = {"algorithm": name}
         raw["common_args"]["compare_with"] = []
         if run_name is not None:
             raw["common_args"]["run_name"] = run_name
+        else:
+            raw["common_args"].pop("run_name", None)
         return validate(raw)
+
+
+def derived_run_name(dataset: str, algorithm: str) -> str:
+    """The run name used where none is set: ``<dataset>_<algorithm>``, e.g. ``mnist5k_fedavg_ssl``.
+
+    The rule (README, "Outputs"): a run without ``common_args.run_name`` is named after what it runs;
+    a config file's own ``run_name`` is kept unless ``--set`` changes ``data_args.dataset`` or
+    ``ssfl_args.algorithm`` (then the name is derived again); ``--set common_args.run_name=NAME``
+    always wins.
+    """
+    return f"{dataset}_{algorithm}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +493,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(str(exc)) from exc
     algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
     cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
+    if "run_name" not in (raw.get("common_args") or {}):
+        cfg.common_args.run_name = derived_run_name(cfg.data_args.dataset, algorithm)
     cfg.device_args.using_gpu = cfg.device_args.device == "cuda"
     _check_ranges(cfg)
     if cfg.data_args.label_scenario not in algo_cls.label_scenarios:
@@ -510,9 +528,14 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     ``--set ssfl_args.algorithm=X`` naming another algorithm than the file's starts ``ssfl_args``
     afresh (X's paper defaults plus any other ``--set ssfl_args.*``): the file's hyper-parameters
     belong to its own algorithm. The dropped keys are logged.
+
+    An override that changes ``data_args.dataset`` or ``ssfl_args.algorithm`` drops the file's
+    ``common_args.run_name`` (unless ``--set common_args.run_name`` is given too), so the run is
+    named after what it runs (:func:`derived_run_name`); the change is logged.
     """
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
     parsed = [(text, *parse_override(text)) for text in overrides]
+    before = _what_runs(out)
     new_algo = [v for _, section, key, v in parsed if (section, key) == ("ssfl_args", "algorithm")]
     old_ssfl = out.get("ssfl_args")
     if new_algo and isinstance(old_ssfl, dict) and old_ssfl.get("algorithm") not in (None, new_algo[-1]):
@@ -532,7 +555,29 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if not isinstance(out[section], dict):
             raise ConfigError(f"--set {text!r}: section '{section}' is not a mapping")
         out[section][key] = value
+    named = any((section, key) == ("common_args", "run_name") for _, section, key, _ in parsed)
+    common = out.get("common_args")
+    after = _what_runs(out)
+    if not named and after != before and isinstance(common, dict) and "run_name" in common:
+        old = common.pop("run_name")
+        if isinstance(after[0], str) and isinstance(after[1], str):
+            log.info(
+                "common_args.run_name: %s -> %s (--set changed the dataset or algorithm, so the run is named after "
+                "them); --set common_args.run_name=NAME keeps a name of your own",
+                old,
+                derived_run_name(*after),
+            )
     return out
+
+
+def _what_runs(raw: dict[str, Any]) -> tuple[Any, Any]:
+    """(dataset, algorithm) of a raw config mapping, defaults filled in: the parts a derived run name names."""
+    data, ssfl = raw.get("data_args"), raw.get("ssfl_args")
+    dataset = data.get("dataset", DataArgs.dataset) if isinstance(data, dict) else DataArgs.dataset
+    algorithm = (
+        ssfl.get("algorithm", ExperimentConfig.algorithm) if isinstance(ssfl, dict) else ExperimentConfig.algorithm
+    )
+    return dataset, algorithm
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:

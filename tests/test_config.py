@@ -146,3 +146,36 @@ def test_config_accepts_exactly_the_partition_methods_the_data_layer_has():
     from fedml_ssfl.data.partition import METHODS
 
     assert CHOICES["data_args.partition_method"] == METHODS
+
+
+def test_the_run_name_follows_what_runs_unless_set(tmp_path, caplog):
+    """No run_name: <dataset>_<algorithm>. A file's own name stays unless --set changes the dataset or the
+    algorithm; --set common_args.run_name always wins (in either order)."""
+    from fedml_ssfl.cli import DEFAULT_JOB
+
+    caplog.set_level("INFO", logger="fedml_ssfl.config")
+
+    def name(path, *overrides):
+        return load_config(path, list(overrides)).common_args.run_name
+
+    assert name(None) == "mnist5k_fedavg_ssl"
+    assert name(None, "data_args.dataset=digits", "ssfl_args.algorithm=fedmatch") == "digits_fedmatch"
+    assert name(DEFAULT_JOB) == "mnist5k_semifl"  # the file's own name
+    assert name(DEFAULT_JOB, "train_args.comm_round=2", "data_args.dataset=mnist5k") == "mnist5k_semifl"
+    assert name(DEFAULT_JOB, "ssfl_args.algorithm=fedavg_ssl") == "mnist5k_fedavg_ssl"
+    assert "mnist5k_semifl -> mnist5k_fedavg_ssl" in caplog.text  # the change is said
+    assert name(DEFAULT_JOB, "data_args.dataset=digits") == "digits_semifl"
+    assert name(DEFAULT_JOB, "ssfl_args.algorithm=fedavg_ssl", "common_args.run_name=mine") == "mine"
+    assert name(DEFAULT_JOB, "common_args.run_name=mine", "data_args.dataset=digits") == "mine"
+    nameless = tmp_path / "c.yaml"
+    nameless.write_text("data_args:\n  dataset: digits\nssfl_args:\n  algorithm: semifl\n")
+    assert name(nameless) == "digits_semifl"
+    assert name(nameless, "ssfl_args.algorithm=server_only") == "digits_server_only"
+    with pytest.raises(ConfigError, match="common_args.run_name: '' must be one folder name"):
+        load_config(nameless, ["common_args.run_name="])  # an explicit empty name is still refused
+    cfg = load_config(DEFAULT_JOB)
+    assert cfg.with_algorithm("fedavg_ssl").common_args.run_name == "mnist5k_fedavg_ssl"
+    assert cfg.with_algorithm("fedavg_ssl", run_name="x").common_args.run_name == "x"
+    again = tmp_path / "resolved.yaml"  # a run's resolved config.yaml keeps its name
+    again.write_text(load_config(nameless).to_yaml())
+    assert name(again) == "digits_semifl"

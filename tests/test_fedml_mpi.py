@@ -488,6 +488,7 @@ def test_an_error_on_one_rank_outside_the_run_ends_the_job(tmp_path):
     assert proc.returncode != 0, proc.stderr[-3000:]
     line = next((x for x in proc.stderr.splitlines() if "ending the MPI job" in x), "")
     assert "rank 0: RuntimeError: the server's setup failed" in line, proc.stderr[-3000:]
+    assert line.startswith("fedml-ssfl: error: ") and not cfg.run_dir().exists()  # no folder from a failed start
 
 
 # ---------------------------------------------------------------------------------------------

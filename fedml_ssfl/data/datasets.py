@@ -863,6 +863,18 @@ def available_datasets() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def dataset_description(name: str) -> str:
+    """One line saying what dataset ``name`` is: the first line of its loader's docstring ('' if none).
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (as :func:`load_dataset`).
+    """
+    lines = (_resolve(name).__doc__ or "").strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 def _resolve(name: str) -> _Loader:
     """The loader for ``name`` or a ValueError suggesting the closest registered name."""
     if name in _REGISTRY:

@@ -17,9 +17,11 @@ the same outputs for the same config.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,46 @@ def fresh_run_dir(base: Path) -> Path:
         except OSError as exc:
             raise _output_dir_error(candidate, folder_error(candidate, exc)) from None
         return candidate
+
+
+def discard_unwritten(run_dir: Path | None) -> bool:
+    """Remove ``run_dir``, a folder this run claimed, if the run wrote nothing into it yet.
+
+    A run that stops before its first output (the data cannot be loaded, the model cannot be built, the
+    device is missing, the algorithm's setup raises) leaves no folder behind, so failed attempts do not
+    leave ``-2``, ``-3`` ... folders. Only a folder holding nothing but the claim file is removed.
+
+    Returns
+    -------
+    bool
+        Whether the folder was removed.
+    """
+    if run_dir is None:
+        return False
+    try:
+        if [p.name for p in run_dir.iterdir()] != [CLAIM_NAME]:
+            return False
+        (run_dir / CLAIM_NAME).unlink()
+        run_dir.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def run_folder(base: Path, resume: bool) -> Iterator[Path]:
+    """The run's folder for the ``with`` block: ``base`` when resuming, else a new one (:func:`fresh_run_dir`).
+
+    A new folder is removed again when the block raises before anything was written into it
+    (:func:`discard_unwritten`); a resumed run's folder is never touched.
+    """
+    run_dir = base if resume else fresh_run_dir(base)
+    try:
+        yield run_dir
+    except BaseException:
+        if not resume:
+            discard_unwritten(run_dir)
+        raise
 
 
 def _output_dir_error(run_dir: Path, exc: OSError) -> ConfigError:
@@ -275,6 +317,7 @@ class RunRecorder:
                     {
                         "round": r,
                         "fingerprint": cfg.fingerprint(),
+                        "config": cfg.to_dict(),  # a refused resume names the keys that differ from it
                         "algorithm_name": cfg.algorithm,
                         "algorithm": algo.state_dict(),
                         "client_states": client_states,

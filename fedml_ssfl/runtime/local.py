@@ -35,6 +35,7 @@ from .common import (
     finish_round,
     fresh_run_dir,
     mean_client_metrics,
+    run_folder,
     start_round,
 )
 
@@ -66,7 +67,8 @@ def run_local(
         A validated config.
     run_dir : path, optional
         Output folder; default ``output_dir/run_name`` (suffixed ``-2``, ``-3`` ... when taken,
-        unless resuming).
+        unless resuming). A new folder is removed again if the run fails before writing into it
+        (data, model, device or setup errors).
     resume : bool
         Continue from ``run_dir/checkpoints/last.pt``. A corrupt or mismatched checkpoint is
         refused (and left untouched).
@@ -81,7 +83,19 @@ def run_local(
     """
     started = time.perf_counter()  # summary.json's wall_seconds count from here
     base = Path(run_dir) if run_dir is not None else cfg.run_dir()
-    run_dir = base if resume else fresh_run_dir(base)
+    with run_folder(base, resume) as folder:  # a new folder the run wrote nothing into is removed on an error
+        return _run_in(folder, cfg, resume, dataset, stop_after, started)
+
+
+def _run_in(
+    run_dir: Path,
+    cfg: ExperimentConfig,
+    resume: bool,
+    dataset: ImageDataset | None,
+    stop_after: int | None,
+    started: float,
+) -> RunResult:
+    """:func:`run_local`'s body, in its claimed (or resumed) ``run_dir``; ``started``: the run's start time."""
     ckpt_path = run_dir / "checkpoints" / CHECKPOINT_NAME
     state = load_checkpoint(ckpt_path, cfg.fingerprint(), cfg.to_dict()) if resume else None
 

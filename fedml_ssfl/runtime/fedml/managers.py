@@ -19,6 +19,7 @@ from fedml.cross_silo.server.fedml_aggregator import FedMLAggregator
 from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
 from fedml.cross_silo.server.message_define import MyMessage
 
+from ...errors import error_line
 from .hooks import SSFLAggregator, unwrap
 from .protocol import Failure, Finish
 from .security import (
@@ -192,7 +193,7 @@ class SSFLServerManager(FedMLServerManager):
         """Workers did not acknowledge the stop in time: end without waiting for them."""
         failure = self.runtime.failure
         if self.backend == "MPI":
-            sys.stderr.write(f"fedml-ssfl run: error: {failure}\n")
+            sys.stderr.write(error_line(str(failure)) + "\n")
             sys.stderr.flush()
             from mpi4py import MPI
 
@@ -270,7 +271,7 @@ class SSFLServerManager(FedMLServerManager):
                 f"the job was terminated (signal {signum}) in round {self.runtime.round} while the server "
                 f"waited for {who}; a worker process died (the launcher's message names its rank)"
             )
-        sys.stderr.write(f"fedml-ssfl run: error: {self.runtime.failure}\n")
+        sys.stderr.write(error_line(str(self.runtime.failure)) + "\n")
         sys.stderr.flush()
         os._exit(1)
 
@@ -358,6 +359,6 @@ class SSFLClientManager(ClientMasterManager):
                     m = self.com_manager.grpc_mappings[0]
                     reason = f"the server (rank 0) at {m.grpc_server_ip}:{m.grpc_server_port} is unreachable"
             if reason:
-                sys.stderr.write(f"fedml-ssfl run: error: rank {self.rank}: {reason}; stopping\n")
+                sys.stderr.write(error_line(f"rank {self.rank}: {reason}; stopping") + "\n")
                 sys.stderr.flush()
                 os._exit(1)
