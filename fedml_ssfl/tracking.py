@@ -122,7 +122,7 @@ def round_axis(ax: Axes) -> None:
     """Label the x-axis as rounds, with integer ticks only."""
     from matplotlib.ticker import MaxNLocator
 
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # one round: one tick, at 1
     ax.set_xlabel("round")
 
 

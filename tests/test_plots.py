@@ -45,6 +45,8 @@ def test_accuracy_plot_has_integer_round_ticks_and_the_baselines(tmp_path: Path)
     assert list(baseline.get_ydata()) == pytest.approx([30, 40, 45])
     own = next(line for label, line in lines.items() if label.startswith("semifl"))
     assert list(own.get_ydata()) == pytest.approx([50, 70, 80]) and "80.0%" in own.get_label()
+    one = drawn(accuracy_figure(rows[:1], "run", "semifl", {"server_only": base[:1]})).axes[0]
+    assert visible_ticks(one) == [1.0]  # a one-round run: matplotlib would fall back to 0.95, 0.975, ...
 
 
 def test_bytes_plot_has_a_unit_no_offset_and_the_wire_line() -> None:
