@@ -136,12 +136,11 @@ def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
         if last >= t.comm_round:
             log.warning(
                 "streaming partition: the last of the %d stages is released at round %d, but the run has only "
-                "train_args.comm_round=%d rounds (rounds 0..%d); raise comm_round or lower data_args.num_stages / "
+                "train_args.comm_round=%d rounds; raise comm_round or lower data_args.num_stages / "
                 "rounds_per_stage to see all the unlabeled data",
                 split.num_stages,
-                last,
+                last + 1,
                 t.comm_round,
-                t.comm_round - 1,
             )
     return split
 

@@ -203,7 +203,7 @@ def test_run_folder_replaced_or_removed_mid_run_stops_in_one_line(tmp_path, caps
     run_dir = tmp_path / "digits_semifl"
     line = one_line_error(capsys.readouterr().err, "fedml-ssfl: error:")
     what = "replaced by a file (left untouched)" if how != "removed" else "removed"
-    assert f"round 1: the run folder {run_dir} was {what} while the run was running" in line, line
+    assert f"round 2: the run folder {run_dir} was {what} while the run was running" in line, line
     assert f"continue with `fedml-ssfl run --resume {run_dir}`" in line
     if how == "removed":
         assert not run_dir.exists()  # not re-created half-empty by the checkpoint writer
@@ -230,7 +230,7 @@ def test_an_unwritable_checkpoint_mid_run_keeps_what_was_saved(tmp_path, capsys,
     run_dir = tmp_path / "digits_semifl"
     ckpt = run_dir / "checkpoints" / "last.pt"
     line = one_line_error(capsys.readouterr().err, "fedml-ssfl: error:")
-    assert f"round 1: cannot write in the run folder {run_dir}: {ckpt.parent} is not writable" in line, line
+    assert f"round 2: cannot write in the run folder {run_dir}: {ckpt.parent} is not writable" in line, line
     assert f"last good checkpoint: {ckpt}" in line and f"--resume {run_dir}`" in line
     assert load_checkpoint(ckpt)["round"] == 0
     monkeypatch.undo()

@@ -147,7 +147,7 @@ def test_client_exception_stops_the_run_naming_rank_and_silo(small_config, tmp_p
 
     monkeypatch.setattr(FedAvgSSL, "client_update", broken)
     cfg = small_config("train_args.comm_round=3")  # C_k = K = 4: silo k on rank k + 1
-    with pytest.raises(RunFailed, match=r"rank 3 \(silo 2\) failed in round 1: ValueError: disk on fire"):
+    with pytest.raises(RunFailed, match=r"rank 3 \(silo 2\) failed in round 2: ValueError: disk on fire"):
         run_protocol(cfg, tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "silo 2" in summary["error"]

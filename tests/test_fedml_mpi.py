@@ -435,14 +435,14 @@ def check_failed_run(run_dir: Path, stderr: str) -> str:
 def test_a_client_that_raises_stops_the_run_naming_rank_and_silo(multi_job):
     assert multi_job["results"]["fault_raise"] == 1  # the CLI's exit code for a failed run
     error = check_failed_run(raising_config(multi_job["tmp"]).run_dir(), multi_job["proc"].stderr)
-    assert "failed in round 1: ValueError: disk on fire" in error
+    assert "failed in round 2: ValueError: disk on fire" in error
 
 
 def test_a_worker_process_that_dies_stops_the_job(multi_job):
     # the job ended (mpirun terminated it, well within the subprocess timeout) in that run
     assert multi_job["proc"].returncode != 0 and "fault_exit" not in multi_job["results"]
     error = check_failed_run(dying_config(multi_job["tmp"]).run_dir(), multi_job["proc"].stderr)
-    assert "terminated" in error and "round 1" in error
+    assert "terminated" in error and "round 2" in error
 
 
 def test_a_stalled_worker_ends_the_job_in_bounded_time(tmp_path):

@@ -133,7 +133,7 @@ def test_nan_loss_stops_naming_round_and_client_and_keeps_last_checkpoint(small_
 
     monkeypatch.setattr(FedAvgSSL, "client_update", poisoned)
     cfg = small_config("train_args.comm_round=4")
-    with pytest.raises(RunFailed, match="round 2 on client 1.*last.pt"):
+    with pytest.raises(RunFailed, match="round 3 on client 1.*last.pt"):
         run_local(cfg, run_dir=tmp_path / "run")
     kept = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert kept["round"] == 1

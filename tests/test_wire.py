@@ -157,7 +157,7 @@ def test_protocol_records_round_trip_and_bad_fields_are_refused():
     reply = Reply(3, 1, 2, msg=Message(num_samples=5), states={1: (3, {"m": torch.ones(1)})})
     back = wire.loads(wire.dumps(reply))
     assert isinstance(back, Reply) and back.states[1][0] == 3 and torch.equal(back.states[1][1]["m"], torch.ones(1))
-    assert wire.loads(wire.dumps(Failure(3, 1, 2, "boom"))).describe() == "rank 2 (silo 1) failed in round 3: boom"
+    assert wire.loads(wire.dumps(Failure(3, 1, 2, "boom"))).describe() == "rank 2 (silo 1) failed in round 4: boom"
     assert isinstance(wire.loads(wire.dumps(Finish())), Finish)
 
     def forged(name, fields):

@@ -326,7 +326,7 @@ class RunRecorder:
                     },
                 )
         except OSError as exc:
-            raise self.write_failed(f"round {r}", exc) from None
+            raise self.write_failed(f"round {r + 1}", exc) from None
         return acc
 
     def wall_seconds(self) -> float:

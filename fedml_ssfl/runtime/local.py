@@ -106,7 +106,7 @@ def _run_in(
     client_states: dict[int, dict] = {k: {} for k in range(K)}
     if state is not None:
         client_states = state["client_states"]
-        log.info("resuming %s after round %d", run_dir, state["round"])
+        log.info("resuming %s after round %d", run_dir, state["round"] + 1)
     rec = RunRecorder(cfg, exp, run_dir, resume_state=state, started=started)
     start = rec.start
 

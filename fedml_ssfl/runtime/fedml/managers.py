@@ -165,7 +165,7 @@ class SSFLServerManager(FedMLServerManager):
             silo = silos[error.receiver - 1] if 1 <= error.receiver <= len(silos) else "?"
             self.dead.add(error.receiver)
             error = (
-                f"round {self.runtime.round}: rank {error.receiver} (silo {silo}) is unreachable at "
+                f"round {self.runtime.round + 1}: rank {error.receiver} (silo {silo}) is unreachable at "
                 f"{error.address} ({error.code}); its process died or lost the network"
             )
         self.failing, self.fail_time = True, time.monotonic()
@@ -239,7 +239,7 @@ class SSFLServerManager(FedMLServerManager):
                 reported = True
                 self._inject(
                     action="fail",
-                    reason=f"round {rt.round}: no reply within {limits.round:.0f} s (FEDML_SSFL_ROUND_TIMEOUT) "
+                    reason=f"round {rt.round + 1}: no reply within {limits.round:.0f} s (FEDML_SSFL_ROUND_TIMEOUT) "
                     f"from {rt.describe(waiting)}",
                     dead=sorted(waiting),
                 )
@@ -256,7 +256,7 @@ class SSFLServerManager(FedMLServerManager):
                         reported = True
                         self._inject(
                             action="fail",
-                            reason=f"round {rt.round}: rank {rank} (silo {silo}) is unreachable at "
+                            reason=f"round {rt.round + 1}: rank {rank} (silo {silo}) is unreachable at "
                             f"{m.grpc_server_ip}:{m.grpc_server_port}; its process died or lost the network",
                             dead=[rank],
                         )
@@ -268,7 +268,7 @@ class SSFLServerManager(FedMLServerManager):
         if self.runtime.failure is None:
             who = self.runtime.describe(waiting) if waiting else "no worker"
             self.runtime.fail(
-                f"the job was terminated (signal {signum}) in round {self.runtime.round} while the server "
+                f"the job was terminated (signal {signum}) in round {self.runtime.round + 1} while the server "
                 f"waited for {who}; a worker process died (the launcher's message names its rank)"
             )
         sys.stderr.write(error_line(str(self.runtime.failure)) + "\n")

@@ -154,7 +154,7 @@ class Failure:
             raise ValueError("Failure.error and Failure.traceback must be strings")
 
     def describe(self) -> str:
-        return f"rank {self.rank} (silo {self.silo}) failed in round {self.round}: {self.error}"
+        return f"rank {self.rank} (silo {self.silo}) failed in round {self.round + 1}: {self.error}"
 
 
 @dataclass

@@ -145,14 +145,14 @@ def run_fedml(
                 previous = _install_terminate_handler(manager.on_terminate)
                 try:
                     if runtime.done:
-                        log.info("nothing to run: %s already completed round %d", run_dir, runtime.round - 1)
+                        log.info("nothing to run: %s already completed round %d", run_dir, runtime.round)
                     manager.run()
                 finally:
                     _restore_terminate_handler(previous)
                 if runtime.failure is not None:
                     raise runtime.failure
                 if not runtime.done:
-                    raise runtime.fail(f"the FedML server stopped in round {runtime.round} before the run ended")
+                    raise runtime.fail(f"the FedML server stopped in round {runtime.round + 1} before the run ended")
                 return runtime.result()
             finally:
                 if mpi_pickle is not None:

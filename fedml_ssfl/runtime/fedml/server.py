@@ -161,7 +161,7 @@ class ServerRuntime:
         plan = self.plan(r)
         start = start_round(self.exp, r)
         if sorted(plan) != start.chosen:
-            raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r}")
+            raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r + 1}")
         after = dict(self.holder)
         after.update({k: i + 1 for i, k in enumerate(plan)})
         stale_after = self.stale | set(plan)
@@ -205,17 +205,17 @@ class ServerRuntime:
         for up in self._replies(uploads):
             if up.round != r or up.silo not in start.chosen:
                 raise RuntimeError(
-                    f"rank {up.rank} sent a reply for round {up.round} silo {up.silo} "
-                    f"while round {r} waited for silos {start.chosen}"
+                    f"rank {up.rank} sent a reply for round {up.round + 1} silo {up.silo} "
+                    f"while round {r + 1} waited for silos {start.chosen}"
                 )
             if up.rank != self.plan(r).index(up.silo) + 1:
                 raise RuntimeError(
-                    f"round {r}: silo {up.silo} came back from rank {up.rank}, but was routed to rank "
+                    f"round {r + 1}: silo {up.silo} came back from rank {up.rank}, but was routed to rank "
                     f"{self.plan(r).index(up.silo) + 1}"
                 )
             by_silo[up.silo] = up
         if sorted(by_silo) != start.chosen:
-            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+            raise RuntimeError(f"round {r + 1}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
         for k in start.chosen:  # the worker that trained a silo now holds its newest state
             w = by_silo[k].rank
             old = self.holder.get(k)
@@ -232,7 +232,7 @@ class ServerRuntime:
                     self.stale.discard(j)
                     state_up += state_nbytes(st)
         if is_checkpoint_round(self.cfg, r, self.end) and self.stale:
-            raise RuntimeError(f"round {r}: client states of silos {sorted(self.stale)} were not uploaded")
+            raise RuntimeError(f"round {r + 1}: client states of silos {sorted(self.stale)} were not uploaded")
         return self._close_round(by_silo, state_bytes_up=state_up, state_bytes_down=self.state_down, **extra)
 
     def _replies(self, uploads: list[Reply | Failure]) -> list[Reply]:
@@ -241,7 +241,7 @@ class ServerRuntime:
             if isinstance(up, Failure):
                 raise self.client_error(up)
             if not isinstance(up, Reply):
-                raise RuntimeError(f"round {self.round}: a worker sent a {type(up).__name__}, not a Reply")
+                raise RuntimeError(f"round {self.round + 1}: a worker sent a {type(up).__name__}, not a Reply")
         return list(uploads)
 
     def _close_round(self, by_silo: dict[int, Reply], **extra: Any) -> dict[str, Any]:
@@ -258,7 +258,7 @@ class ServerRuntime:
             if problem is None:
                 replies[k] = msg
                 continue
-            text = f"round {r}: refused the reply of rank {up.rank} (silo {k}): {problem}"
+            text = f"round {r + 1}: refused the reply of rank {up.rank} (silo {k}): {problem}"
             if self.requires_all:
                 raise RunFailed(f"{text}; algorithm '{self.cfg.algorithm}' needs every reply")
             log.warning("%s; the round goes on without it", text)
@@ -366,13 +366,14 @@ class DeployedServerRuntime(ServerRuntime):
             k = up.silo
             if up.round != r or up.rank != k + 1:
                 raise RuntimeError(
-                    f"rank {up.rank} sent a reply for round {up.round} silo {k} in round {r} (rank k + 1 serves silo k)"
+                    f"rank {up.rank} sent a reply for round {up.round + 1} silo {k} in round {r + 1} "
+                    "(rank k + 1 serves silo k)"
                 )
             if up.trained != (k in start.chosen):
                 said, asked = ("trained", "stay idle") if up.trained else ("stayed idle", "train")
-                raise RuntimeError(f"round {r}: silo {k} {said} when told to {asked}")
+                raise RuntimeError(f"round {r + 1}: silo {k} {said} when told to {asked}")
             if up.trained:
                 by_silo[k] = up
         if sorted(by_silo) != start.chosen:
-            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+            raise RuntimeError(f"round {r + 1}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
         return self._close_round(by_silo, **extra)

@@ -43,7 +43,7 @@ class ClientWorker:
             tag, state = self.cache.get(k, (None, None))
             if state is None or tag != task.state_tag:
                 raise RuntimeError(
-                    f"silo {k}'s client state from round {task.state_tag} is not on rank {self.rank} "
+                    f"silo {k}'s client state from round {task.state_tag + 1} is not on rank {self.rank} "
                     f"(it has {tag}); the routing and the state cache disagree"
                 )
             reply = _client_update(self.exp, task.msg, k, r, state)
@@ -106,9 +106,11 @@ class SiloWorker:
         if after >= 0:
             saved = load_checkpoint(self.state_path, self.cfg.fingerprint())
             if saved.get("round") != after or saved.get("silo") != self.silo:
+                theirs = saved.get("round")
+                theirs = theirs + 1 if isinstance(theirs, int) else theirs
                 raise RuntimeError(
-                    f"{self.state_path} holds silo {saved.get('silo')}'s state after round {saved.get('round')}, but "
-                    f"the server resumes after round {after}: restore this silo's checkpoint folder from that round"
+                    f"{self.state_path} holds silo {saved.get('silo')}'s state after round {theirs}, but "
+                    f"the server resumes after round {after + 1}: restore this silo's checkpoint folder from that round"
                 )
             self.state = saved["state"]
 
