@@ -133,7 +133,14 @@ def _config_difference(path: Path, config: dict[str, Any] | None) -> str:
         return ""
     if not isinstance(saved, dict):
         return ""
-    ignore = {"common_args.run_name", "common_args.output_dir", "common_args.run_id", "tracking_args.progress_bar"}
+    ignore = {
+        "common_args.run_name",
+        "common_args.output_dir",
+        "common_args.run_id",
+        "tracking_args.progress_bar",
+        "device_args.state_memory_mb",
+        "device_args.state_spill_dir",
+    }
     keys = []
     for section in sorted(set(saved) | set(config)):
         a, b = saved.get(section) or {}, config.get(section) or {}
