@@ -49,7 +49,7 @@ def _state(seed: int, n: int = 16) -> dict:
 
 
 def _spill_file(store: ClientStateStore, key: int):
-    return store._files[key]
+    return store.file_of(key)
 
 
 # ---- the store -----------------------------------------------------------------------------------
@@ -306,3 +306,26 @@ def test_a_damaged_checkpoint_state_file_refuses_the_resume_naming_it(small_conf
     path.write_bytes(b"x" + path.read_bytes()[1:])
     with pytest.raises(CheckpointError, match=f"client state file {path} does not match"):
         run_local(cfg, run_dir=tmp_path / "r", resume=True)
+
+
+def test_the_fedml_server_keeps_states_under_a_budget_with_the_same_results(small_config, tmp_path) -> None:
+    from tests.test_fedml_backend import FEDSEAL, run_protocol
+
+    plain = small_config(*FEDSEAL, "train_args.comm_round=3", "tracking_args.checkpoint_every=1")
+    budget = small_config(
+        *FEDSEAL, "train_args.comm_round=3", "tracking_args.checkpoint_every=1", f"device_args.state_memory_mb={TINY}"
+    )
+    local = run_local(plain, run_dir=tmp_path / "local")
+    run_protocol(budget, tmp_path / "fed", stop_after=2)
+    spilled = load_checkpoint(tmp_path / "fed" / "checkpoints" / "last.pt")
+    assert spilled[FILES_KEY] and not any(spilled["client_states"].values())  # the server's states on disk
+    fed, _, _ = run_protocol(budget, tmp_path / "fed", resume=True)
+    assert fed.final_acc == local.final_acc and _rows(tmp_path / "fed") == [
+        {**r, **{k: v for k, v in f.items() if k.startswith(("wire_", "state_bytes"))}}
+        for r, f in zip(_rows(tmp_path / "local"), _rows(tmp_path / "fed"))
+    ]
+    a, a_states = _final(tmp_path / "local")
+    b, b_states = _final(tmp_path / "fed")
+    assert_same_state(b["algorithm"], a["algorithm"], "algorithm")
+    assert_same_state(b_states, a_states, "client_states")
+    assert not list((tmp_path / "fed").glob(".client_states-*"))
