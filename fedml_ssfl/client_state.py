@@ -135,8 +135,9 @@ def write_state_file(folder: Path, state: Any) -> str:
     :func:`torch.save` streams into the file while the bytes are hashed, so no copy of the encoded
     state is held in memory (a bytes copy per spill fragments the heap: measured ~2x the budget).
     """
-    fd, tmp = tempfile.mkstemp(prefix=".state.", suffix=".tmp", dir=folder)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".state.", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "wb") as fh:
             out = _HashingWriter(fh)
             torch.save(state, out)
@@ -146,8 +147,16 @@ def write_state_file(folder: Path, state: Any) -> str:
             Path(tmp).unlink()
         else:
             os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise ClientStateError(
+            f"cannot write a client state into {folder}: {exc.strerror or exc}; free disk space there, or set "
+            "device_args.state_spill_dir to another folder (or device_args.state_memory_mb higher)"
+        ) from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     return digest
 
@@ -267,7 +276,7 @@ class ClientStateStore(MutableMapping):
 
     # ---- the mapping ------------------------------------------------------------------------
     def __getitem__(self, key: int) -> Any:
-        self._settle()
+        self._settle(key)
         if key in self._resident:
             self._resident.move_to_end(key)
             value = self._resident[key]
@@ -379,10 +388,12 @@ class ClientStateStore(MutableMapping):
         self.resident_bytes += size
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
-    def _settle(self) -> None:
+    def _settle(self, next_key: int | None = None) -> None:
         """Re-measure the state in use (its holder may have changed it in place); it is in use no more,
-        so the resident states are brought within the budget before another one comes in."""
-        key, self._in_use = self._in_use, None
+        and the resident states are brought within the budget before another one comes in, keeping
+        ``next_key`` (the one asked for) if it is resident."""
+        key = self._in_use
+        self._in_use = next_key if next_key in self._resident else None
         if key is not None and key in self._resident:
             size = state_size(self._resident[key])
             self.resident_bytes += size - self._sizes[key]
@@ -399,9 +410,10 @@ class ClientStateStore(MutableMapping):
                     return
                 self._resident.move_to_end(key)
                 continue
-            value = self._resident.pop(key)
+            digest = write_state_file(self.spill_dir, self._resident[key])  # on failure the state stays
+            del self._resident[key]
             self.resident_bytes -= self._sizes.pop(key)
-            self._hold(key, self.spill_dir, write_state_file(self.spill_dir, value))
+            self._hold(key, self.spill_dir, digest)
             self.spills += 1
 
     def _hold(self, key: int, folder: Path, digest: str) -> None:

@@ -109,6 +109,32 @@ def test_a_change_made_in_place_survives_a_spill(tmp_path) -> None:
     assert_same_state(store[0], {"ensemble": torch.arange(5.0), "ensemble_count": 1})
 
 
+def test_reading_the_state_in_use_again_does_not_spill_it(tmp_path) -> None:
+    store = ClientStateStore(0, tmp_path / "spill", fresh=[0, 1])
+    store[0]["w"] = torch.ones(8)
+    assert store[0]["w"].sum() == 8 and store.spills == 0 and store.loads == 0  # the runtime reads twice
+    store[1]
+    assert store.spilled() == [0]
+
+
+def test_a_spill_that_cannot_be_written_keeps_the_state_and_says_where(tmp_path) -> None:
+    import shutil
+
+    store = ClientStateStore(0, tmp_path / "spill")
+    store[0] = _state(0)
+    shutil.rmtree(tmp_path / "spill")  # the spill folder is gone (a full or lost disk)
+    with pytest.raises(ClientStateError) as err:
+        store[1] = _state(1)  # 0 must make room first
+    assert str(tmp_path / "spill") in str(err.value) and "\n" not in str(err.value)
+    assert "device_args.state_spill_dir" in str(err.value)
+    assert store.is_resident(0) and not store.spilled() and 1 not in store
+    assert_same_state(store[0], _state(0))  # the one asked for is not spilled to make room for itself
+    (tmp_path / "spill").mkdir()  # fixed
+    store[1] = _state(1)
+    assert store.spilled() == [0] and store.loads == 0
+    assert_same_state(store[0], _state(0))
+
+
 def test_identical_states_share_a_file_and_files_go_with_their_last_user(tmp_path) -> None:
     store = ClientStateStore(0, tmp_path / "spill")
     for k in range(3):
