@@ -116,8 +116,16 @@ def load_checkpoint(
     return payload
 
 
-IGNORED_KEYS = ("common_args.run_name", "common_args.output_dir", "common_args.run_id", "tracking_args.progress_bar")
-"""Config keys a resume may change (where outputs go, the run id, the progress bar): not in the fingerprint."""
+IGNORED_KEYS = (
+    "common_args.run_name",
+    "common_args.output_dir",
+    "common_args.run_id",
+    "tracking_args.progress_bar",
+    "device_args.state_memory_mb",
+    "device_args.state_spill_dir",
+)
+"""Config keys a resume may change (where outputs go, the run id, the progress bar, where client states
+live): not in the fingerprint."""
 
 _SHOWN = 8
 """How many differing keys a refusal names before it counts the rest."""

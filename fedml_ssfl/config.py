@@ -144,6 +144,11 @@ class DeviceArgs:
     gpu_mapping_file: str = ""
     gpu_mapping_key: str = ""
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    # MiB of per-client state kept in memory (0: no limit); the least recently used states beyond it are
+    # written to disk and read back exactly (docs/performance.md, "Client state at scale"). Not in the
+    # fingerprint: it changes no result, so a run may resume under another budget.
+    state_memory_mb: float = 0.0
+    state_spill_dir: str = ""  # where states spill ("": the run folder); each run makes a folder of its own in it
 
 
 @dataclass
@@ -235,7 +240,13 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("validation_args.eval_batch_size", 1, None, True),
     ("tracking_args.checkpoint_every", 1, None, True),
     ("device_args.num_threads", 0, None, True),
+    ("device_args.state_memory_mb", 0.0, None, True),
 ]
+
+
+RESOURCE_KEYS = ("state_memory_mb", "state_spill_dir")
+"""``device_args`` keys that say how to use the machine's memory and disk, not what is computed: left out
+of :meth:`ExperimentConfig.fingerprint`, so a run resumes under another value."""
 
 
 @dataclass
@@ -272,6 +283,8 @@ class ExperimentConfig:
             section, key = dotted.split(".")
             data.get(section, {}).pop(key, None)
         data.get("tracking_args", {}).pop("progress_bar", None)
+        for key in RESOURCE_KEYS:
+            data.get("device_args", {}).pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def run_dir(self) -> Path:

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "fedml_ssfl.sparse",
             "fedml_ssfl.sampling",
             "fedml_ssfl.helper_selection",
+            "fedml_ssfl.client_state",
         ),
     ),
     ("training", ("fedml_ssfl.training", "fedml_ssfl.metrics")),

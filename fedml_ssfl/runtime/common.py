@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,8 @@ from typing import Any
 from .. import seeding
 from ..algorithms.base import Message, message_nbytes
 from ..atomic import folder_error, make_folder
-from ..checkpoint import save_checkpoint
+from ..checkpoint import CheckpointError, save_checkpoint
+from ..client_state import STATES_DIR, ClientStateError, client_state_payload, open_client_states, prune_state_files
 from ..config import ConfigError, ExperimentConfig, save_config
 from ..experiment import Experiment
 from ..metrics import evaluate
@@ -149,6 +152,56 @@ def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:
             if isinstance(v, (int, float)) and math.isfinite(v):
                 sums.setdefault(k, []).append(float(v))
     return {f"client_{k}": sum(v) / len(v) for k, v in sums.items()}
+
+
+SPILL_PREFIX = ".client_states-"
+"""The name prefix of a run's spill folder (in the run folder, or in ``device_args.state_spill_dir``)."""
+
+
+def run_client_states(
+    cfg: ExperimentConfig, run_dir: Path, resume_state: dict[str, Any] | None
+) -> MutableMapping[int, dict]:
+    """Every client's persistent state for a run: a dict, or under ``device_args.state_memory_mb`` a store.
+
+    With a budget, states beyond it spill into a folder of this run's own made in
+    ``device_args.state_spill_dir`` (default: the run folder, where spill folders a killed run left
+    are removed first); :func:`..client_state.close_client_states` removes it at the end.
+
+    Raises
+    ------
+    CheckpointError
+        A state file the resumed checkpoint names is missing or damaged (names the file).
+    ConfigError
+        The spill folder cannot be made (names ``device_args.state_spill_dir`` and the fix).
+    """
+    d = cfg.device_args
+    budget = int(d.state_memory_mb * 2**20) if d.state_memory_mb > 0 else None
+    spill = None
+    if budget is not None:
+        root = Path(d.state_spill_dir).expanduser() if d.state_spill_dir else Path(run_dir)
+        try:
+            if not d.state_spill_dir:
+                for stale in Path(run_dir).glob(SPILL_PREFIX + "*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            make_folder(root)
+            spill = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{Path(run_dir).name}-", dir=root))
+        except OSError as exc:
+            raise ConfigError(
+                f"device_args.state_spill_dir: cannot make a spill folder in {root}: {exc}; "
+                "set it to a writable folder, or device_args.state_memory_mb to 0 to keep every state in memory"
+            ) from None
+    try:
+        return open_client_states(
+            range(cfg.train_args.client_num_in_total),
+            budget,
+            spill,
+            resume_state,
+            Path(run_dir) / "checkpoints" / STATES_DIR,
+        )
+    except ClientStateError as exc:
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
+        raise CheckpointError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +330,7 @@ class RunRecorder:
         self.best = max(evals, default=float("nan"))
         self.last_acc = evals[-1] if evals else float("nan")
 
-    def record(self, r: int, row: dict[str, Any], end: int, client_states: dict[int, dict]) -> float | None:
+    def record(self, r: int, row: dict[str, Any], end: int, client_states: MutableMapping[int, dict]) -> float | None:
         """Close round ``r``: totals, ``finalize`` after the last round, evaluation, log, checkpoint.
 
         Returns the test accuracy when the round was evaluated, else None.
@@ -312,6 +365,8 @@ class RunRecorder:
             self._check_run_dir()
             self.tracker.log_round(row)
             if is_checkpoint_round(cfg, r, end):
+                states_dir = self.ckpt_path.parent / STATES_DIR
+                states = client_state_payload(client_states, states_dir)  # spilled states: files in states_dir
                 save_checkpoint(
                     self.ckpt_path,
                     {
@@ -320,11 +375,12 @@ class RunRecorder:
                         "config": cfg.to_dict(),  # a refused resume names the keys that differ from it
                         "algorithm_name": cfg.algorithm,
                         "algorithm": algo.state_dict(),
-                        "client_states": client_states,
+                        **states,
                         "totals": self.totals,
                         "wall_seconds": self.wall_seconds(),
                     },
                 )
+                prune_state_files(states_dir, states)  # files only the previous checkpoint named
         except OSError as exc:
             raise self.write_failed(f"round {r + 1}", exc) from None
         return acc

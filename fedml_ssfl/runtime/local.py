@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 from .. import seeding
 from ..algorithms.base import ClientContext, Message, NonFiniteLossError, message_nbytes
 from ..checkpoint import load_checkpoint
+from ..client_state import ClientStateError, close_client_states
 from ..config import ExperimentConfig
 from ..data import ImageDataset
 from ..experiment import Experiment, build_experiment
@@ -35,6 +37,7 @@ from .common import (
     finish_round,
     fresh_run_dir,
     mean_client_metrics,
+    run_client_states,
     run_folder,
     start_round,
 )
@@ -102,10 +105,8 @@ def _run_in(
     exp = build_experiment(cfg, dataset)
     algo = exp.algorithm
     algo.setup()
-    K = cfg.train_args.client_num_in_total
-    client_states: dict[int, dict] = {k: {} for k in range(K)}
+    client_states = run_client_states(cfg, run_dir, state)  # a dict, or a store under device_args.state_memory_mb
     if state is not None:
-        client_states = state["client_states"]
         log.info("resuming %s after round %d", run_dir, state["round"] + 1)
     rec = RunRecorder(cfg, exp, run_dir, resume_state=state, started=started)
     start = rec.start
@@ -129,15 +130,16 @@ def _run_in(
             acc = rec.record(r, row, end, client_states)
             if acc is not None:
                 bar.set_postfix(acc=f"{100 * acc:.2f}%")
-    except NonFiniteLossError as exc:
+    except (NonFiniteLossError, ClientStateError) as exc:
         raise rec.fail(exc) from exc
     finally:
         bar.close()
         rec.close()
+        close_client_states(client_states)
     return rec.result(status)
 
 
-def run_round(exp: Experiment, r: int, client_states: dict[int, dict]) -> dict[str, Any]:
+def run_round(exp: Experiment, r: int, client_states: MutableMapping[int, dict]) -> dict[str, Any]:
     """One federated round; returns its metrics row (without test accuracy)."""
     cfg, algo = exp.config, exp.algorithm
     start = start_round(exp, r)

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ...algorithms.base import Message, message_nbytes
+from ...client_state import close_client_states
 from ...config import ExperimentConfig
 from ...experiment import Experiment
 from ...sampling import sample_clients
@@ -20,6 +21,7 @@ from ..common import (
     RunResult,
     finish_round,
     is_checkpoint_round,
+    run_client_states,
     start_round,
 )
 from .payloads import check_reply, state_nbytes
@@ -96,9 +98,7 @@ class ServerRuntime:
         K = cfg.train_args.client_num_in_total
         self.rec = RunRecorder(cfg, exp, run_dir, resume_state=resume_state, totals_keys=TOTALS)
         self.run_dir = Path(run_dir)
-        self.client_states: dict[int, dict] = (
-            resume_state["client_states"] if resume_state is not None else {k: {} for k in range(K)}
-        )
+        self.client_states = run_client_states(cfg, self.run_dir, resume_state)  # a dict, or a bounded store
         self.tags = {k: -1 for k in range(K)}  # round each silo's state was last updated
         self.holder: dict[int, int] = {}  # silo -> rank whose cache has its newest state
         self.stale: set[int] = set()  # silos whose newest state the server has not received
@@ -290,11 +290,13 @@ class ServerRuntime:
             self.failure = self.rec.fail(text)
             self.bar.close()
             self.rec.close()
+            close_client_states(self.client_states)
         return self.failure
 
     def result(self) -> RunResult:
         self.bar.close()
         self.rec.close()
+        close_client_states(self.client_states)
         return self.rec.result(
             self.status,
             runtime=f"fedml-{self.backend}",
