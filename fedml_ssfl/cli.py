@@ -233,8 +233,40 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "what", nargs="?", choices=LISTS, metavar="WHAT", help=f"{', '.join(LISTS)} (default: all four)"
     )
+    _add_bench_command(sub)
     parser.set_defaults(commands=sub.choices)
     return parser
+
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """``fedml-ssfl bench CONFIG``: seconds per round against a plain PyTorch loop of the same passes."""
+    p = sub.add_parser(
+        "bench",
+        help="seconds per round against a plain PyTorch loop of the same passes (docs/performance.md)",
+        description="Run a config's rounds in this process, each followed by a plain PyTorch loop doing the "
+        "same forward/backward passes on already-augmented tensors; print round / loop (the federated overhead).",
+    )
+    _add_config_args(p)
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0: torch's default)")
+    p.add_argument(
+        "--variants",
+        default="contiguous+inference,channels_last+inference",
+        help="reference variants, comma-separated; each joins eager, contiguous, channels_last, inference, compile "
+        "with '+' (the ratio is against each round's fastest)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="reference replays per round and variant (default 1)")
+    p.add_argument("--profile", action="store_true", help="also cProfile one more round and print its top functions")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures to this JSON file")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    opts = {k: getattr(args, k) for k in ("rounds", "warmup", "threads", "profile")}
+    cfg = load_config(_config_path(args), args.overrides)
+    return run_bench(cfg, args.variants, args.json, reference_repeats=args.repeats, **opts)
 
 
 def _add_fedml_launch_args(p: argparse.ArgumentParser) -> None:
@@ -445,7 +477,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "partition": cmd_partition, "report": cmd_report, "export": cmd_export, "list": cmd_list}
+COMMANDS = {
+    "run": cmd_run,
+    "partition": cmd_partition,
+    "report": cmd_report,
+    "export": cmd_export,
+    "list": cmd_list,
+    "bench": cmd_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,6 +151,11 @@ class DeviceArgs:
     # fingerprint: it changes no result, so a run may resume under another budget.
     state_memory_mb: float = 0.0
     state_spill_dir: str = ""  # where states spill ("": the run folder); each run makes a folder of its own in it
+    # the layout models compute in (weights and inputs): auto (on CPU channels_last for a model with max-pooling
+    # and no GroupNorm, else contiguous: the faster one, docs/performance.md) | channels_last | contiguous |
+    # unchanged (inputs keep the augmentation's strides, as before issue 15: reproduces earlier runs bit for
+    # bit). The layouts differ only in float rounding (fedml_ssfl/models/layout.py)
+    memory_format: str = "auto"
 
 
 @dataclass
@@ -205,6 +210,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train_args.lr_schedule": ("cosine", "constant"),
     "train_args.client_optimizer": ("sgd",),
     "device_args.device": ("cpu", "cuda"),
+    "device_args.memory_format": ("auto", "channels_last", "contiguous", "unchanged"),  # models/layout.py
     "comm_args.backend": ("local", "MPI", "GRPC"),
     "comm_args.mode": ("simulation", "deployment"),
 }
