@@ -373,7 +373,7 @@ def test_failed_int8_gate_fails_the_export(trained_run, tmp_path):
 
 def test_checkpoint_thresholds_and_a_group_model(trained_run, tmp_path):
     ckpt = load_checkpoint(trained_run / "checkpoints" / "last.pt")
-    tau = torch.linspace(0.2, 0.65, 10)
+    tau = torch.linspace(0.99, 0.9999, 10)  # the fitted model is ~99.5% accurate: lower ones mask nothing
     ckpt["algorithm"]["thresholds"] = tau  # FedSEAL keeps class-wise thresholds in its state
     group = {k: v.clone() for k, v in ckpt["algorithm"]["global_state"].items()}
     group["fc.bias"][3] += 100.0  # a group model that says "3" to everything
