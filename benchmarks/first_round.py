@@ -41,6 +41,7 @@ CASES = {
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--python", default=None, help="the interpreter to time (default: this one)")
     args = p.parse_args(argv)
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     out: dict = {"machine": machine_info(1), "cases": {}}
@@ -48,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, (config, overrides) in CASES.items():
             sets = [*overrides, "train_args.comm_round=1", "common_args.compare_with=[]"]
             sets.append(f"common_args.output_dir={tmp}")
-            times = [first_round_seconds(config, sets, env=env)["seconds"] for _ in range(args.repeats)]
-            detail = first_round_seconds(config, sets, importtime=True, env=env)
+            times = [
+                first_round_seconds(config, sets, env=env, python=args.python)["seconds"] for _ in range(args.repeats)
+            ]
+            detail = first_round_seconds(config, sets, importtime=True, env=env, python=args.python)
             out["cases"][name] = {
                 "seconds": statistics.median(times),
                 "runs": times,

@@ -48,10 +48,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .client_state import close_client_states
 from .config import ConfigError, ExperimentConfig
 from .experiment import build_experiment, model_factory
 from .models.layout import apply_layout, model_layout
-from .runtime.common import RunRecorder
+from .runtime.common import RunRecorder, run_client_states
 from .runtime.local import run_round
 from .training import InputPipeline
 
@@ -472,7 +473,6 @@ def measure_round_speed(
     cuda = exp.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(exp.device)
-    states: dict[int, dict] = {k: {} for k in range(cfg.train_args.client_num_in_total)}
     model_type = type(algo.model_fn())
     pipeline = InputPipeline(exp.data_info, exp.device)
     gen = torch.Generator().manual_seed(12345)
@@ -484,7 +484,10 @@ def measure_round_speed(
     per_round: list[dict[str, Any]] = []
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fedml_ssfl_bench_") as tmp:
-        rec = RunRecorder(cfg, exp, Path(tmp) / "run")
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        states = run_client_states(cfg, run_dir, None)  # a dict, or a store under device_args.state_memory_mb
+        rec = RunRecorder(cfg, exp, run_dir)
         try:
             for r in range(total):
                 profiled = profile and r == total - 1
@@ -539,6 +542,7 @@ def measure_round_speed(
                 )
         finally:
             rec.close()
+            close_client_states(states)
     measured = [e for e in per_round if not e["warmup"]]
     images_grad = _median([e["workload"]["images_grad"] for e in measured])
 
@@ -623,7 +627,11 @@ sys.exit(main(["run", *sys.argv[1:]]))
 
 
 def first_round_seconds(
-    config: str | None, overrides: Sequence[str] = (), importtime: bool = False, env: dict[str, str] | None = None
+    config: str | None,
+    overrides: Sequence[str] = (),
+    importtime: bool = False,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
 ) -> dict[str, Any]:
     """Wall seconds from starting ``fedml-ssfl run CONFIG`` to the start of its first round.
 
@@ -641,6 +649,8 @@ def first_round_seconds(
         microseconds; this slows the run a little).
     env : dict, optional
         Extra environment variables.
+    python : str, optional
+        The interpreter to start (default: this one).
 
     Returns
     -------
@@ -651,7 +661,7 @@ def first_round_seconds(
     args = [config] if config else []
     for o in overrides:
         args += ["--set", o]
-    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-c", _FIRST_ROUND_CODE, *args]
+    cmd = [python or sys.executable, *(["-X", "importtime"] if importtime else []), "-c", _FIRST_ROUND_CODE, *args]
     full_env = {**os.environ, **(env or {})}
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("fedml_ssfl.config", "fedml_ssfl.fedml_compat")),
     ("experiment", ("fedml_ssfl.experiment", "fedml_ssfl.checkpoint", "fedml_ssfl.tracking", "fedml_ssfl.report")),
     ("runtime", ("fedml_ssfl.runtime",)),
-    ("tools", ("fedml_ssfl.bench",)),
+    ("bench", ("fedml_ssfl.bench",)),
     ("cli", ("fedml_ssfl.cli", "fedml_ssfl.__main__")),
 ]
 """Bottom first. An entry names a module, or a package and everything in it. The root package
