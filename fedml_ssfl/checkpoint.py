@@ -83,7 +83,8 @@ def load_checkpoint(
         The resuming run's config fingerprint; a checkpoint written under another is refused.
     config : dict, optional
         The resuming run's config (``ExperimentConfig.to_dict()``): a refusal then names the keys
-        that differ from the run's ``config.yaml`` beside the checkpoint folder.
+        that differ from the config kept in the checkpoint (``payload["config"]``; for older
+        checkpoints, the run's ``config.yaml`` beside the checkpoint folder), with both values.
 
     Raises
     ------
@@ -111,29 +112,68 @@ def load_checkpoint(
             "untouched. Resume from an intact copy or start a new run."
         )
     if fingerprint is not None and payload.get("fingerprint") != fingerprint:
-        differ = _config_difference(path, config)
-        raise CheckpointError(
-            f"checkpoint {path} was written by a run with a different configuration"
-            + (f" ({differ} differ)" if differ else f" (fingerprint {payload.get('fingerprint')} vs {fingerprint})")
-            + "; refusing to resume. Resume with the run's own config.yaml, or start a new run."
-        )
+        raise CheckpointError(_refusal(path, payload, fingerprint, config))
     return payload
 
 
-def _config_difference(path: Path, config: dict[str, Any] | None) -> str:
-    """The dotted keys in which ``config`` differs from the run's ``config.yaml`` ('' if unknown)."""
+IGNORED_KEYS = (
+    "common_args.run_name",
+    "common_args.output_dir",
+    "common_args.run_id",
+    "tracking_args.progress_bar",
+    "device_args.state_memory_mb",
+    "device_args.state_spill_dir",
+)
+"""Config keys a resume may change (where outputs go, the run id, the progress bar, where client states
+live): not in the fingerprint."""
+
+_SHOWN = 8
+"""How many differing keys a refusal names before it counts the rest."""
+
+
+def _refusal(path: Path, payload: dict[str, Any], fingerprint: str, config: dict[str, Any] | None) -> str:
+    """The one-line refusal of a checkpoint written under another config, naming the keys that differ."""
+    run_dir = path.parent.parent
+    own = run_dir / "config.yaml"
+    fix = (
+        f"resume with the run's own config (`fedml-ssfl run {own} --resume {run_dir}`) or start a new run"
+        if own.is_file()
+        else "resume with the config that wrote it, or start a new run"
+    )
+    saved = payload.get("config")
+    if not isinstance(saved, dict):  # checkpoints written before the config was kept in them
+        saved = _saved_config(own)
+    differ = config_difference(saved, config) if saved is not None and config is not None else []
+    if not differ:
+        return (
+            f"resume refused: {path} was written under another config (fingerprint {payload.get('fingerprint')}, "
+            f"now {fingerprint}); {fix}"
+        )
+    shown = "; ".join(differ[:_SHOWN]) + (f"; and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else "")
+    return f"resume refused: the config differs from the checkpoint's ({path}): {shown}; {fix}"
+
+
+def _saved_config(path: Path) -> dict[str, Any] | None:
+    """The run's ``config.yaml`` as a mapping, or None when it is missing or unreadable."""
     import yaml
 
-    saved_path = path.parent.parent / "config.yaml"
-    if config is None or not saved_path.is_file():
-        return ""
     try:
-        saved = yaml.safe_load(saved_path.read_text())
-    except (OSError, yaml.YAMLError):
-        return ""
-    if not isinstance(saved, dict):
-        return ""
-    ignore = {"common_args.run_name", "common_args.output_dir", "common_args.run_id", "tracking_args.progress_bar"}
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def config_difference(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """``section.key (checkpoint A, now B)`` for every key in which two sectioned configs differ.
+
+    Keys in :data:`IGNORED_KEYS` are left out; a key one side lacks shows as ``unset``.
+    """
+    missing = object()
+
+    def show(value: Any) -> str:
+        return "unset" if value is missing else repr(value) if isinstance(value, str) else str(value)
+
     keys = []
     for section in sorted(set(saved) | set(config)):
         a, b = saved.get(section) or {}, config.get(section) or {}
@@ -141,6 +181,7 @@ def _config_difference(path: Path, config: dict[str, Any] | None) -> str:
             continue
         for key in sorted(set(a) | set(b)):
             dotted = f"{section}.{key}"
-            if dotted not in ignore and a.get(key) != b.get(key):
-                keys.append(f"{dotted} ({a.get(key)!r} in the run, {b.get(key)!r} now)")
-    return ", ".join(keys)
+            old, new = a.get(key, missing), b.get(key, missing)
+            if dotted not in IGNORED_KEYS and old != new:
+                keys.append(f"{dotted} (checkpoint {show(old)}, now {show(new)})")
+    return keys

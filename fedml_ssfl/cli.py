@@ -2,6 +2,11 @@
 
 ``fedml-ssfl run`` with no arguments runs the default main job (offline, shipped MNIST-5k)
 and prints the server-only accuracy beside the SSFL method's, from the same data split.
+``fedml-ssfl`` alone prints the help (exit 0); ``fedml-ssfl list`` names what can be run.
+
+Every error is one line on stderr, ``fedml-ssfl: error: <what and the fix>``
+(:func:`fedml_ssfl.errors.error_line`): exit 2 for a usage or config error (nothing ran),
+1 for a command that ran and failed.
 """
 
 from __future__ import annotations
@@ -9,10 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
+from . import __version__
 from .config import ConfigError, ExperimentConfig, load_config
+from .errors import PROG, error_line
 
 log = logging.getLogger("fedml_ssfl")
 
@@ -45,13 +53,115 @@ def _config_path(args: argparse.Namespace) -> str | None:
     return args.cf or args.config or str(DEFAULT_JOB)
 
 
+LISTS = ("algorithms", "models", "datasets", "partitions")
+"""What ``fedml-ssfl list`` lists."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the package's error style: one line, ``fedml-ssfl: error: ...``, exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, error_line(f"{message} (see `{self.prog} --help`)") + "\n")
+
+
+def _examples(*lines: tuple[str, str], width: int = 50) -> str:
+    """An epilog: ``examples:`` and a ``command  # what it does`` line each (a long command: the comment below)."""
+    width = min(width, max(len(cmd) for cmd, _ in lines))
+    out = ["examples:"]
+    for cmd, what in lines:
+        note = f"  # {what}" if what else ""
+        if len(cmd) > width and note:
+            out += [f"  {cmd}", f"  {'':<{width}}{note}"]
+        else:
+            out.append(f"  {cmd:<{width}}{note}".rstrip())
+    return "\n".join(out)
+
+
+TOP_EPILOG = (
+    _examples(
+        ("fedml-ssfl run", "the main job: SemiFL and server-only on MNIST-5k, offline"),
+        ("fedml-ssfl run configs/mnist5k/fedavg_ssl.yaml", "any config (FedML's --cf works too)"),
+        ("fedml-ssfl run --set ssfl_args.algorithm=fedavg_ssl", "writes runs/mnist5k_fedavg_ssl/"),
+        ("fedml-ssfl list algorithms", "what ssfl_args.algorithm accepts"),
+        ("fedml-ssfl partition", "the data split; heat-map beside the run folder"),
+        ("fedml-ssfl report runs/mnist5k_semifl", "a table and an accuracy plot"),
+        ("fedml-ssfl export runs/mnist5k_semifl --out edge/", "ONNX for edge devices"),
+        ("fedml-ssfl run --help", "each command's options and examples"),
+    )
+    + """
+
+A run writes runs/<run_name>/; without common_args.run_name the name is <dataset>_<algorithm>.
+Exit status: 0 done (also bare `fedml-ssfl`, which prints this help); 1 the command ran and
+failed; 2 a usage or config error (nothing ran). Errors are one line: `fedml-ssfl: error: ...`."""
+)
+
+RUN_EPILOG = (
+    _examples(
+        ("fedml-ssfl run", "the main job (configs/mnist5k/semifl.yaml)"),
+        ("fedml-ssfl run configs/mnist5k/fedavg_ssl.yaml", "writes runs/mnist5k_fedavg_ssl/"),
+        ("fedml-ssfl run --set data_args.dataset=digits --set train_args.comm_round=2", "writes runs/digits_semifl/"),
+        ("fedml-ssfl run --stop-after 5", "stop after 5 rounds (a checkpoint is kept) ..."),
+        ("fedml-ssfl run --resume runs/mnist5k_semifl", "... and continue it"),
+        ("fedml-ssfl run --print-config --set ssfl_args.algorithm=fedmatch", "the resolved config"),
+    )
+    + """
+
+Run name: a config's own common_args.run_name is kept unless --set changes data_args.dataset or
+ssfl_args.algorithm; then, as for a config without one, it is <dataset>_<algorithm>.
+--set common_args.run_name=NAME always wins. A taken name gets a new folder NAME-2, NAME-3 ...;
+a run that fails before writing anything (data, model, device, setup) leaves no folder."""
+)
+
+PARTITION_EPILOG = (
+    _examples(
+        ("fedml-ssfl partition", "the main job's split; runs/mnist5k_semifl.partition.png"),
+        ("fedml-ssfl partition configs/cifar10/crl_gn.yaml", "a paper's setting (needs its data on disk)"),
+        ("fedml-ssfl partition --set data_args.partition_method=dirichlet --out split.png", ""),
+        ("fedml-ssfl partition configs/mnist5k/fedavg_ssl.yaml --export /tmp/silos", "per-silo files + config"),
+    )
+    + """
+
+The heat-map goes beside the run folder, <output_dir>/<run_name>.partition.png, never into it,
+so the next `fedml-ssfl run` of the same config still gets <output_dir>/<run_name>/."""
+)
+
+REPORT_EPILOG = _examples(
+    ("fedml-ssfl report runs/mnist5k_semifl", "the run and its compare/ baselines"),
+    ("fedml-ssfl report runs/mnist5k_semifl runs/mnist5k_fedavg_ssl --out cmp.png", "several runs"),
+)
+
+EXPORT_EPILOG = _examples(
+    ("fedml-ssfl export runs/mnist5k_fedavg_ssl --out export/", "ONNX, .ort and int8, verified"),
+    ("fedml-ssfl export runs/mnist5k_fedavg_ssl/checkpoints/last.pt --no-int8", "from a checkpoint file"),
+)
+
+LIST_EPILOG = _examples(
+    ("fedml-ssfl list", "all four"),
+    ("fedml-ssfl list algorithms", "the values of ssfl_args.algorithm"),
+    ("fedml-ssfl list partitions", "the values of data_args.partition_method"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedml-ssfl", description="Semi-supervised federated learning on FedML")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog=PROG,
+        description="Semi-supervised federated learning on FedML",
+        epilog=TOP_EPILOG,
+        formatter_class=raw,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run an experiment (default: the offline MNIST-5k main job)")
+    run = sub.add_parser(
+        "run",
+        help="run an experiment (default: the offline MNIST-5k main job)",
+        description="Run an experiment: the local simulator, or this process's part of a FedML job.",
+        epilog=RUN_EPILOG,
+        formatter_class=raw,
+    )
     _add_config_args(run)
     run.add_argument(
         "--resume",
@@ -74,9 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--role", choices=("server", "client"), default=None, help="FedML GRPC: this process's role")
     _add_fedml_launch_args(run)
 
-    part = sub.add_parser("partition", help="print the data split: sizes, class histograms, R; save a heat-map")
+    part = sub.add_parser(
+        "partition",
+        help="print the data split: sizes, class histograms, R; save a heat-map",
+        description="Print a config's data split (sizes, class histograms, non-iid R) and save its heat-map.",
+        epilog=PARTITION_EPILOG,
+        formatter_class=raw,
+    )
     _add_config_args(part)
-    part.add_argument("--out", help="heat-map PNG path (default: <run dir>/partition.png)")
+    part.add_argument("--out", help="heat-map PNG path (default: <output_dir>/<run_name>.partition.png)")
     part.add_argument(
         "--export",
         metavar="DIR",
@@ -87,14 +203,70 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", choices=("MPI", "GRPC"), default="MPI", help="the FedML backend of the exported config"
     )
 
-    report = sub.add_parser("report", help="compare runs: one table and one accuracy-vs-round plot")
+    report = sub.add_parser(
+        "report",
+        help="compare runs: one table and one accuracy-vs-round plot",
+        description="Compare finished runs: one table and one accuracy-vs-round plot.",
+        epilog=REPORT_EPILOG,
+        formatter_class=raw,
+    )
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help="plot path (default: next to the first run)")
     report.add_argument("--no-compare", action="store_true", help="leave out each run's compare/ baselines")
 
-    export = sub.add_parser("export", help="a trained run or checkpoint to ONNX (+ .ort, int8) for edge devices")
+    export = sub.add_parser(
+        "export",
+        help="a trained run or checkpoint to ONNX (+ .ort, int8) for edge devices",
+        description="Export a trained run or checkpoint to ONNX (+ .ort, int8) for edge devices, verified.",
+        epilog=EXPORT_EPILOG,
+        formatter_class=raw,
+    )
     add_export_arguments(export)
+
+    listing = sub.add_parser(
+        "list",
+        help="list the algorithms, models, datasets or partition methods, one line each",
+        description="List what a config can name, each with a one-line description.",
+        epilog=LIST_EPILOG,
+        formatter_class=raw,
+    )
+    listing.add_argument(
+        "what", nargs="?", choices=LISTS, metavar="WHAT", help=f"{', '.join(LISTS)} (default: all four)"
+    )
+    _add_bench_command(sub)
+    parser.set_defaults(commands=sub.choices)
     return parser
+
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """``fedml-ssfl bench CONFIG``: seconds per round against a plain PyTorch loop of the same passes."""
+    p = sub.add_parser(
+        "bench",
+        help="seconds per round against a plain PyTorch loop of the same passes (docs/performance.md)",
+        description="Run a config's rounds in this process, each followed by a plain PyTorch loop doing the "
+        "same forward/backward passes on already-augmented tensors; print round / loop (the federated overhead).",
+    )
+    _add_config_args(p)
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0: torch's default)")
+    p.add_argument(
+        "--variants",
+        default="contiguous+inference,channels_last+inference",
+        help="reference variants, comma-separated; each joins eager, contiguous, channels_last, inference, compile "
+        "with '+' (the ratio is against each round's fastest)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="reference replays per round and variant (default 1)")
+    p.add_argument("--profile", action="store_true", help="also cProfile one more round and print its top functions")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures to this JSON file")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    opts = {k: getattr(args, k) for k in ("rounds", "warmup", "threads", "profile")}
+    cfg = load_config(_config_path(args), args.overrides)
+    return run_bench(cfg, args.variants, args.json, reference_repeats=args.repeats, **opts)
 
 
 def _add_fedml_launch_args(p: argparse.ArgumentParser) -> None:
@@ -181,6 +353,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             sub_dir = result.run_dir / "compare" / name
             sub_resume = resume and sub_dir.exists()
             results.insert(0, run_local(sub_cfg, run_dir=sub_dir, resume=sub_resume, stop_after=args.stop_after))
+    if len(results) > 1:  # the baselines ran after the run drew its plots: draw them in
+        from .tracking import plot_run
+
+        plot_run(result.run_dir, label=cfg.algorithm)
     print(format_results_table(cfg, results))
     print(f"outputs: {result.run_dir}")
     return 0
@@ -212,7 +388,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     dataset = load_experiment_dataset(cfg)
     split = make_split(cfg, dataset)
     print(partition_report(split, dataset.train_labels, dataset.class_names))
-    out = Path(args.out) if args.out else cfg.run_dir() / "partition.png"
+    out = Path(args.out) if args.out else partition_plot_path(cfg)
     try:
         make_folder(out.parent)
     except OSError as exc:
@@ -233,6 +409,16 @@ def cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def partition_plot_path(cfg: ExperimentConfig) -> Path:
+    """Where ``fedml-ssfl partition`` saves the heat-map by default: beside the run folder, not in it.
+
+    ``<output_dir>/<run_name>.partition.png``: a run of the same config then still gets
+    ``<output_dir>/<run_name>/`` (a file there would make it take ``<run_name>-2``).
+    """
+    run_dir = cfg.run_dir()
+    return run_dir.parent / f"{run_dir.name}.partition.png"
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import report_runs
 
@@ -243,7 +429,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mobile_export.export import run_export_from_args
 
-    return run_export_from_args(args, prog="fedml-ssfl export")
+    return run_export_from_args(args, prog=PROG)  # its errors then read `fedml-ssfl: error: ...` too
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -252,12 +438,67 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser)
 
 
-COMMANDS = {"run": cmd_run, "partition": cmd_partition, "report": cmd_report, "export": cmd_export}
+def _registry_rows(what: str) -> tuple[str, list[tuple[str, str]]]:
+    """The config key a list's names go into, and its (name, one-line description) rows."""
+    if what == "algorithms":
+        from .algorithms.registry import algorithm_description, available_algorithms
+
+        return "ssfl_args.algorithm", [(n, algorithm_description(n)) for n in available_algorithms()]
+    if what == "models":
+        from .models import available_models, model_spec
+
+        return "model_args.model", [(n, model_spec(n).description) for n in available_models()]
+    if what == "datasets":
+        from .data import available_datasets, dataset_description
+
+        key = "data_args.dataset; root: data_args.data_cache_dir"
+        return key, [(n, dataset_description(n)) for n in available_datasets()]
+    from .data.partition_methods import METHOD_TABLE
+
+    return "data_args.partition_method", [(m.name, m.description) for m in METHOD_TABLE]
+
+
+def _plain(text: str) -> str:
+    """A docstring line for the terminal: reST roles and double back-quotes dropped."""
+    text = re.sub(r":\w+:`~?\.?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def format_list(what: str) -> str:
+    """One list as text: a heading naming the config key, then ``name  description`` per entry."""
+    key, rows = _registry_rows(what)
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{what} ({key}):"] + [f"  {name:<{width}}  {_plain(desc)}".rstrip() for name, desc in rows]
+    return "\n".join(lines)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    print("\n\n".join(format_list(what) for what in ([args.what] if args.what else LISTS)))
+    return 0
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "partition": cmd_partition,
+    "report": cmd_report,
+    "export": cmd_export,
+    "list": cmd_list,
+    "bench": cmd_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``fedml-ssfl`` entry point; returns the exit status (0 done, 1 failed, 2 usage or config error)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # argparse would blame the top-level parser; the subcommand's help is the useful one
+            args.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version (0) or a usage error, already printed in one line (2)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    if args.command is None:  # bare `fedml-ssfl`: say what there is
+        parser.print_help()
+        return 0
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -267,14 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, CheckpointError, RunFailed, FileNotFoundError) as exc:
-        print(f"fedml-ssfl {args.command}: error: {exc}", file=sys.stderr)
+        print(error_line(str(exc)), file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     except Exception as exc:  # a bug, or an input no check knows yet: one line unless asked for more
         if args.debug:
             raise
         print(
-            f"fedml-ssfl {args.command}: error: {type(exc).__name__}: {exc} "
-            "(run again with --debug for the traceback, and please report it)",
+            error_line(f"{type(exc).__name__}: {exc} (run again with --debug for the traceback, and please report it)"),
             file=sys.stderr,
         )
         return 1

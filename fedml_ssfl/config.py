@@ -18,6 +18,8 @@ import difflib
 import hashlib
 import json
 import logging
+import os
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ class CommonArgs:
 
     training_type: str = "simulation"  # simulation (local runtime) | cross_silo (FedML)
     random_seed: int = 0
-    run_name: str = "mnist5k_fedavg_ssl"
+    run_name: str = ""  # left out: <dataset>_<algorithm> (see derived_run_name)
     output_dir: str = "runs"
     compare_with: list[str] = field(default_factory=lambda: ["server_only"])
     scenario: str = "horizontal"  # FedML's key; only horizontal is supported
@@ -148,6 +150,16 @@ class DeviceArgs:
     gpu_mapping_file: str = ""
     gpu_mapping_key: str = ""
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    # MiB of per-client state kept in memory (0: no limit); the least recently used states beyond it are
+    # written to disk and read back exactly (docs/performance.md, "Client state at scale"). Not in the
+    # fingerprint: it changes no result, so a run may resume under another budget.
+    state_memory_mb: float = 0.0
+    state_spill_dir: str = ""  # where states spill ("": the run folder); each run makes a folder of its own in it
+    # the layout models compute in (weights and inputs): auto (on CPU channels_last for a model with max-pooling
+    # and no GroupNorm, else contiguous: the faster one, docs/performance.md) | channels_last | contiguous |
+    # unchanged (inputs keep the augmentation's strides, as before issue 15: reproduces earlier runs bit for
+    # bit). The layouts differ only in float rounding (fedml_ssfl/models/layout.py)
+    memory_format: str = "auto"
 
 
 @dataclass
@@ -202,6 +214,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train_args.lr_schedule": ("cosine", "constant"),
     "train_args.client_optimizer": ("sgd",),
     "device_args.device": ("cpu", "cuda"),
+    "device_args.memory_format": ("auto", "channels_last", "contiguous", "unchanged"),  # models/layout.py
     "comm_args.backend": ("local", "MPI", "GRPC"),
     "comm_args.mode": ("simulation", "deployment"),
 }
@@ -240,7 +253,13 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("validation_args.eval_batch_size", 1, None, True),
     ("tracking_args.checkpoint_every", 1, None, True),
     ("device_args.num_threads", 0, None, True),
+    ("device_args.state_memory_mb", 0.0, None, True),
 ]
+
+
+RESOURCE_KEYS = ("state_memory_mb", "state_spill_dir")
+"""``device_args`` keys that say how to use the machine's memory and disk, not what is computed: left out
+of :meth:`ExperimentConfig.fingerprint`, so a run resumes under another value."""
 
 
 @dataclass
@@ -277,19 +296,37 @@ class ExperimentConfig:
             section, key = dotted.split(".")
             data.get(section, {}).pop(key, None)
         data.get("tracking_args", {}).pop("progress_bar", None)
+        for key in RESOURCE_KEYS:
+            data.get("device_args", {}).pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def run_dir(self) -> Path:
         return Path(self.common_args.output_dir).expanduser() / self.common_args.run_name
 
     def with_algorithm(self, name: str, run_name: str | None = None) -> ExperimentConfig:
-        """A copy running algorithm ``name`` with its defaults (same data, model, seed)."""
+        """A copy running algorithm ``name`` with its defaults (same data, model, seed).
+
+        Without ``run_name`` the copy's name is derived anew (:func:`derived_run_name`).
+        """
         raw = self.to_dict()
         raw["ssfl_args"] = {"algorithm": name}
         raw["common_args"]["compare_with"] = []
         if run_name is not None:
             raw["common_args"]["run_name"] = run_name
+        else:
+            raw["common_args"].pop("run_name", None)
         return validate(raw)
+
+
+def derived_run_name(dataset: str, algorithm: str) -> str:
+    """The run name used where none is set: ``<dataset>_<algorithm>``, e.g. ``mnist5k_fedavg_ssl``.
+
+    The rule (README, "Outputs"): a run without ``common_args.run_name`` is named after what it runs;
+    a config file's own ``run_name`` is kept unless ``--set`` changes ``data_args.dataset`` or
+    ``ssfl_args.algorithm`` (then the name is derived again); ``--set common_args.run_name=NAME``
+    always wins.
+    """
+    return f"{dataset}_{algorithm}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,6 +519,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(str(exc)) from exc
     algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
     cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
+    if "run_name" not in (raw.get("common_args") or {}):
+        cfg.common_args.run_name = derived_run_name(cfg.data_args.dataset, algorithm)
     cfg.device_args.using_gpu = cfg.device_args.device == "cuda"
     _check_ranges(cfg)
     if cfg.data_args.label_scenario not in algo_cls.label_scenarios:
@@ -533,9 +572,14 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     ``--set ssfl_args.algorithm=X`` naming another algorithm than the file's starts ``ssfl_args``
     afresh (X's paper defaults plus any other ``--set ssfl_args.*``): the file's hyper-parameters
     belong to its own algorithm. The dropped keys are logged.
+
+    An override that changes ``data_args.dataset`` or ``ssfl_args.algorithm`` drops the file's
+    ``common_args.run_name`` (unless ``--set common_args.run_name`` is given too), so the run is
+    named after what it runs (:func:`derived_run_name`); the change is logged.
     """
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
     parsed = [(text, *parse_override(text)) for text in overrides]
+    before = _what_runs(out)
     new_algo = [v for _, section, key, v in parsed if (section, key) == ("ssfl_args", "algorithm")]
     old_ssfl = out.get("ssfl_args")
     if new_algo and isinstance(old_ssfl, dict) and old_ssfl.get("algorithm") not in (None, new_algo[-1]):
@@ -555,7 +599,29 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if not isinstance(out[section], dict):
             raise ConfigError(f"--set {text!r}: section '{section}' is not a mapping")
         out[section][key] = value
+    named = any((section, key) == ("common_args", "run_name") for _, section, key, _ in parsed)
+    common = out.get("common_args")
+    after = _what_runs(out)
+    if not named and after != before and isinstance(common, dict) and "run_name" in common:
+        old = common.pop("run_name")
+        if isinstance(after[0], str) and isinstance(after[1], str):
+            log.info(
+                "common_args.run_name: %s -> %s (--set changed the dataset or algorithm, so the run is named after "
+                "them); --set common_args.run_name=NAME keeps a name of your own",
+                old,
+                derived_run_name(*after),
+            )
     return out
+
+
+def _what_runs(raw: dict[str, Any]) -> tuple[Any, Any]:
+    """(dataset, algorithm) of a raw config mapping, defaults filled in: the parts a derived run name names."""
+    data, ssfl = raw.get("data_args"), raw.get("ssfl_args")
+    dataset = data.get("dataset", DataArgs.dataset) if isinstance(data, dict) else DataArgs.dataset
+    algorithm = (
+        ssfl.get("algorithm", ExperimentConfig.algorithm) if isinstance(ssfl, dict) else ExperimentConfig.algorithm
+    )
+    return dataset, algorithm
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
@@ -576,10 +642,74 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return data
 
 
+SMOKE_ENV = "FEDML_SSFL_SET"
+"""An environment variable of ``section.key=value`` settings applied to every loaded config (smoke runs)."""
+
+_SMOKE_NAMING = ("data_args.dataset", "ssfl_args.algorithm", "common_args.run_name")
+_smoke_warned: set[str] = set()
+
+
+def apply_smoke_settings(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply :data:`SMOKE_ENV`'s settings to a raw config mapping (after its ``--set`` overrides).
+
+    ``FEDML_SSFL_SET="train_args.comm_round=2 train_args.local_steps=2"`` (space-separated,
+    shell-quoted where a value has spaces) shrinks every run a process loads, mpirun's ranks
+    included, without changing the command: its values replace the file's and the defaults, a
+    key given with ``--set`` keeps the command line's value, and an ``ssfl_args`` key applies only
+    to an algorithm that has it. The keys that name a run (dataset, algorithm, run name) are
+    refused. A warning naming the settings is logged (once per process), so a run is never
+    shortened silently.
+    """
+    text = os.environ.get(SMOKE_ENV, "").strip()
+    if not text:
+        return raw
+    try:
+        items = [parse_override(item) for item in shlex.split(text)]
+    except (ValueError, ConfigError) as exc:
+        raise ConfigError(f"{SMOKE_ENV}={text!r}: {exc}; give space-separated section.key=value items") from None
+    given = {parse_override(o)[:2] for o in overrides}
+    algo_keys = _algorithm_keys(_what_runs(raw)[1])
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    applied = []
+    for section, key, value in items:
+        if f"{section}.{key}" in _SMOKE_NAMING:
+            raise ConfigError(f"{SMOKE_ENV}: {section}.{key} names the run; set it with --set, not in {SMOKE_ENV}")
+        if (section, key) in given or (section == "ssfl_args" and key not in algo_keys):
+            continue
+        if not isinstance(out.setdefault(section, {}), dict):
+            raise ConfigError(f"{SMOKE_ENV}: section '{section}' is not a mapping in this config")
+        out[section][key] = value
+        applied.append(f"{section}.{key}={value}")
+    if text not in _smoke_warned:
+        _smoke_warned.add(text)
+        log.warning(
+            "%s is set: %s replace this config's values (smoke settings; a --set on the command line wins); "
+            "unset it for a real run",
+            SMOKE_ENV,
+            " ".join(applied) or "nothing",
+        )
+    return out
+
+
+def _algorithm_keys(algorithm: Any) -> set[str]:
+    """The ``ssfl_args`` keys of ``algorithm`` (none for an unknown name: :func:`validate` names it)."""
+    from .algorithms import registry
+
+    try:
+        return {f.name for f in dataclasses.fields(registry.get_algorithm(str(algorithm)).config_class)}
+    except ValueError:
+        return set()
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load, override and validate a config; ``path=None`` gives the default main job."""
+    """Load, override and validate a config; ``path=None`` gives the default main job.
+
+    Order: the file (or the defaults), then ``overrides`` (``--set``), then :data:`SMOKE_ENV`'s
+    settings where set (:func:`apply_smoke_settings`; they never replace a ``--set``).
+    """
     raw = load_raw(path) if path is not None else {}
-    return validate(apply_overrides(raw, overrides or []))
+    raw = apply_overrides(raw, overrides or [])
+    return validate(apply_smoke_settings(raw, overrides or []))
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:

@@ -170,7 +170,7 @@ class NonFiniteLossError(RuntimeError):
         self.round_idx = round_idx
         self.party = party
         super().__init__(
-            f"non-finite loss {value} in round {round_idx} on {party}; the run stopped and the last "
+            f"non-finite loss {value} in round {round_idx + 1} on {party}; the run stopped and the last "
             "good checkpoint was kept. Lower train_args.learning_rate or check the data."
         )
 

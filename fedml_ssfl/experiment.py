@@ -21,6 +21,7 @@ from .algorithms.base import Algorithm, ClientData, DataInfo, ServerData, TrainS
 from .config import ConfigError, ExperimentConfig, partition_options
 from .data import ImageDataset, Split, build_split, load_dataset
 from .models import build_model
+from .models.layout import apply_layout
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,34 @@ def deployed(cfg: ExperimentConfig) -> bool:
     return cfg.comm_args.mode == "deployment"
 
 
+_REUSABLE_DATASETS = ("mnist5k", "digits", "synthetic")
+"""Datasets built from shipped or generated data only: the same arrays for the same options every time."""
+
+_last_dataset: list[tuple[tuple, ImageDataset]] = []
+
+
 def load_experiment_dataset(cfg: ExperimentConfig) -> ImageDataset:
     """The dataset named in ``data_args`` (shipped, synthetic or from ``data_cache_dir``).
 
     In deployment mode: the server's own data (``data_args.server_data`` / ``server_val_data`` /
-    ``test_data``), never a silo's.
+    ``test_data``), never a silo's. A shipped or synthetic dataset is loaded once per process: the
+    last one is kept and handed out again for the same options (``fedml-ssfl run`` then loads the
+    main job's data once for the run and its ``compare_with`` baselines). Its tensors are shared, so
+    they must not be modified in place (nothing in the package does).
     """
+    d = cfg.data_args
+    if not deployed(cfg) and d.dataset in _REUSABLE_DATASETS:
+        key = (d.dataset, cfg.common_args.random_seed, d.synthetic_num_samples, d.synthetic_num_classes)
+        key += (tuple(d.synthetic_shape),)
+        if _last_dataset and _last_dataset[0][0] == key:
+            return _last_dataset[0][1]
+        dataset = _load_experiment_dataset(cfg)
+        _last_dataset[:] = [(key, dataset)]
+        return dataset
+    return _load_experiment_dataset(cfg)
+
+
+def _load_experiment_dataset(cfg: ExperimentConfig) -> ImageDataset:
     d = cfg.data_args
     if deployed(cfg):
         from .data.silos import SiloDataError, load_server_dataset
@@ -136,12 +159,11 @@ def make_split(cfg: ExperimentConfig, dataset: ImageDataset) -> Split:
         if last >= t.comm_round:
             log.warning(
                 "streaming partition: the last of the %d stages is released at round %d, but the run has only "
-                "train_args.comm_round=%d rounds (rounds 0..%d); raise comm_round or lower data_args.num_stages / "
+                "train_args.comm_round=%d rounds; raise comm_round or lower data_args.num_stages / "
                 "rounds_per_stage to see all the unlabeled data",
                 split.num_stages,
-                last,
+                last + 1,
                 t.comm_round,
-                t.comm_round - 1,
             )
     return split
 
@@ -250,13 +272,15 @@ def make_algorithm(
     models are the same wherever it runs (the simulator, a FedML worker, a deployed silo).
     """
     factory = model_factory(cfg, info)
+    memory_format = cfg.device_args.memory_format
 
     def model_fn() -> nn.Module:
         # Initialisation draws from torch's global stream; forking it keeps every model build (the
         # initial model, scratch models built lazily in whichever round first needs them) from
         # shifting the dropout masks that later draws in the same stream would see.
         with torch.random.fork_rng(devices=[]):
-            return factory()
+            model = factory()
+        return apply_layout(model, memory_format, device.type)
 
     seeding.seed_everything(cfg.common_args.random_seed)
     return registry.create(

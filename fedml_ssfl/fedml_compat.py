@@ -4,7 +4,7 @@ A FedML user's cross-silo ``fedml_config.yaml`` has keys that mean something her
 name or value, keys that only matter to FedML's cloud platform, and backends that need it. Before
 validation (:func:`fedml_ssfl.config.validate`) the raw YAML mapping is translated:
 
-* **aliases** become this package's keys (:data:`ALIASES`, and the rules in :func:`translate`):
+* **aliases** become this package's keys (the rules in :func:`translate`):
   ``train_args.client_id_list`` (FedML's edge ids of the silos) gives K, ``device_args.worker_num``
   is C_k, ``train_args.run_id`` is ``common_args.run_id``, ``partition_method: hetero`` /
   ``homo`` are ``dirichlet`` / ``iid``, ``comm_args.backend: sp`` is ``local``, a ``cross_silo``
@@ -120,18 +120,6 @@ IGNORED_KEYS: dict[str, dict[str, str]] = {
     },
 }
 """FedML's keys with no meaning here, per section, with what this package uses instead."""
-
-ALIASES: dict[str, str] = {
-    "train_args.client_id_list": "train_args.client_num_in_total (K = the number of edge ids, when > 1)",
-    "device_args.worker_num": "train_args.client_num_per_round",
-    "train_args.run_id": "common_args.run_id",
-    "data_args.partition_method: hetero": "dirichlet (partition_alpha)",
-    "data_args.partition_method: homo": "iid",
-    "comm_args.backend: sp": "local",
-    "device_args.using_gpu: true (no device)": "device_args.device: cuda",
-    "common_args.training_type: cross_silo (no backend)": "comm_args.backend: MPI",
-}
-"""FedML's keys and values that mean something here, and what they become."""
 
 PARTITION_METHODS: dict[str, str] = {"hetero": "dirichlet", "homo": "iid"}
 """FedML's ``data_args.partition_method`` values and this package's names for them."""

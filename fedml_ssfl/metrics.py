@@ -10,7 +10,6 @@ from .contract import DataInfo
 from .training import InputPipeline
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module,
     images: torch.Tensor,
@@ -19,7 +18,8 @@ def evaluate(
     device: torch.device,
     batch_size: int = 1000,
 ) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of ``model`` (eval mode, no augmentation).
+    """Accuracy and mean cross-entropy of ``model`` (eval mode, no augmentation; inference mode, which
+    skips autograd's version counting: the same numbers as ``no_grad``, a little faster).
 
     Returns
     -------
@@ -30,11 +30,12 @@ def evaluate(
     model.to(device).eval()
     pipeline = InputPipeline(info, device)
     correct, loss, n = 0, 0.0, int(labels.numel())
-    for start in range(0, n, batch_size):
-        x = pipeline.plain(images[start : start + batch_size])
-        y = labels[start : start + batch_size].to(device)
-        logits = model(x)
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
+    with torch.inference_mode():  # after the move: parameters moved in here would be inference tensors
+        for start in range(0, n, batch_size):
+            x = pipeline.plain(images[start : start + batch_size])
+            y = labels[start : start + batch_size].to(device)
+            logits = model(x)
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == y).sum())
     model.train(was_training)
     return {"acc": correct / max(n, 1), "loss": loss / max(n, 1)}

@@ -5,7 +5,9 @@ server-only lower bound beside them) and accuracy-versus-round curves. :func:`re
 each run directory written by the runtime (``summary.json``, ``metrics.jsonl``, ``config.yaml``)
 and produces both. A run made by ``fedml-ssfl run`` keeps its baselines under
 ``compare/<name>/``; those are included automatically, so ``fedml-ssfl report runs/x`` shows the
-method beside server-only from the same split.
+method beside server-only from the same split. The plot has one line per run, named after the run
+folder; the table gives each run's wall-clock runtime and its status ("failed", "stopped", ...),
+and "-" where a figure is missing.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .tracking import read_metrics
+from .tracking import read_metrics, round_axis, round_numbers
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REFERENCE = "server_only"
 """The baseline every row's gain is measured against (the lower bound of Bian et al., Diao et al.)."""
@@ -43,9 +48,15 @@ class RunRecord:
     mib_up_per_round: float
     seconds_per_round: float
     status: str
+    wall_seconds: float = float("nan")
     curve: list[tuple[int, float]] = field(default_factory=list)
     parent: Path | None = None
     label: str = ""
+
+    @property
+    def run_name(self) -> str:
+        """The run folder's name (a baseline's as ``<run>/<baseline>``)."""
+        return f"{self.parent.name}/{self.path.name}" if self.parent is not None else self.path.name
 
     @property
     def split_key(self) -> tuple[Any, ...]:
@@ -62,6 +73,10 @@ def _read_mapping(path: Path, parse: Any) -> dict[str, Any]:
     except (json.JSONDecodeError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def _num(value: Any) -> float:
@@ -85,12 +100,12 @@ def load_run(path: Path, parent: Path | None = None) -> RunRecord:
     sect = {k: (v if isinstance(v, dict) else {}) for k, v in cfg.items()}
     data, train, common = sect.get("data_args", {}), sect.get("train_args", {}), sect.get("common_args", {})
     model = sect.get("model_args", {})
-    curve = [(int(r["round"]) + 1, float(r["test_acc"])) for r in rows if r.get("test_acc") is not None]
+    curve = [(n, float(r["test_acc"])) for n, r in zip(round_numbers(rows), rows) if r.get("test_acc") is not None]
     accs = [a for _, a in curve]
     done = len(rows) or int(summary.get("rounds_completed", 0) or 0)
     up = [r.get("bytes_up", 0) or 0 for r in rows]
     secs = [r.get("seconds", 0.0) or 0.0 for r in rows]
-    algorithm = sect.get("ssfl_args", {}).get("algorithm") or summary.get("algorithm") or "?"
+    algorithm = sect.get("ssfl_args", {}).get("algorithm") or summary.get("algorithm") or "-"
     k, ck = train.get("client_num_in_total"), train.get("client_num_per_round")
     final = _num(summary.get("final_test_acc")) if "final_test_acc" in summary else float("nan")
     if math.isnan(final) and accs:
@@ -104,11 +119,11 @@ def load_run(path: Path, parent: Path | None = None) -> RunRecord:
     s_round = _num(summary.get("seconds_per_round")) if "seconds_per_round" in summary else float("nan")
     if math.isnan(s_round):
         s_round = sum(secs) / len(secs) if secs else float("nan")
-    model_name = summary.get("model") or (f"{model.get('model')}-{model.get('norm')}" if model.get("model") else "?")
+    model_name = summary.get("model") or (f"{model.get('model')}-{model.get('norm')}" if model.get("model") else "-")
     return RunRecord(
         path=path,
         algorithm=str(algorithm),
-        dataset=str(data.get("dataset") or summary.get("dataset") or "?"),
+        dataset=str(data.get("dataset") or summary.get("dataset") or "-"),
         model=str(model_name),
         num_labels=data.get("num_server_labels"),
         split=tuple(
@@ -122,7 +137,7 @@ def load_run(path: Path, parent: Path | None = None) -> RunRecord:
                 "label_scenario",
             )
         ),
-        clients=f"{k}/{ck}" if k is not None else "?",
+        clients=f"{k}/{ck}" if k is not None else "-",
         seed=common.get("random_seed"),
         rounds_done=done,
         comm_round=train.get("comm_round") or summary.get("comm_round"),
@@ -131,6 +146,7 @@ def load_run(path: Path, parent: Path | None = None) -> RunRecord:
         mib_up_per_round=up_round / 2**20,
         seconds_per_round=s_round,
         status=str(summary.get("status") or "running"),
+        wall_seconds=_num(summary.get("wall_seconds")),
         curve=curve,
         parent=parent,
     )
@@ -182,15 +198,37 @@ def _reference_for(r: RunRecord, records: list[RunRecord]) -> RunRecord | None:
 
 
 def _pct(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{100 * x:.2f}%"
+    return "-" if math.isnan(x) else f"{100 * x:.2f}%"
+
+
+def _fixed(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}"
+
+
+def format_duration(seconds: float) -> str:
+    """``42.0s``, ``3m07s``, ``2h05m``; ``-`` when unknown."""
+    if math.isnan(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes}m{int(seconds % 60):02d}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 def format_table(records: list[RunRecord]) -> str:
-    """The comparison table: one row per run, final and best accuracy, gain over server-only."""
+    """The comparison table: one row per run, final and best accuracy, gain over server-only,
+    upload per round, seconds per round, the run's wall-clock runtime and its status.
+
+    A figure a run does not have (a failed run's accuracy, a runtime older runs did not record)
+    reads ``-``.
+    """
     width = max([len("method"), *(len(r.label) for r in records)]) + 2
     head = (
         f"{'method':<{width}}{'dataset':<12}{'model':<12}{'labels':>7}{'K/C_k':>8}{'rounds':>9}"
         f"{'final acc':>11}{'best acc':>10}{'vs ' + REFERENCE:>16}{'MiB up/rnd':>12}{'s/round':>9}"
+        f"{'runtime':>9}  status"
     )
     lines = [head, "-" * len(head)]
     for r in records:
@@ -202,48 +240,48 @@ def format_table(records: list[RunRecord]) -> str:
         )
         rounds = f"{r.rounds_done}/{r.comm_round}" if r.comm_round else str(r.rounds_done)
         lines.append(
-            f"{r.label:<{width}}{r.dataset:<12}{r.model:<12}{str(r.num_labels):>7}{r.clients:>8}{rounds:>9}"
+            f"{r.label:<{width}}{r.dataset:<12}{r.model:<12}{_text(r.num_labels):>7}{r.clients:>8}{rounds:>9}"
             f"{_pct(r.final_acc):>11}{_pct(r.best_acc):>10}{gain:>16}"
-            f"{r.mib_up_per_round:>12.2f}{r.seconds_per_round:>9.2f}"
+            f"{_fixed(r.mib_up_per_round):>12}{_fixed(r.seconds_per_round):>9}"
+            f"{format_duration(r.wall_seconds):>9}  {r.status}"
         )
     notes = [f"  {r.label}: {r.status}, {r.path}" for r in records]
     return "\n".join([*lines, "", "runs:", *notes])
 
 
-def plot_accuracy(records: list[RunRecord], out: Path) -> Path:
-    """One accuracy-vs-round figure with a line per run; returns the PNG path."""
-    import matplotlib
+def legend_label(r: RunRecord) -> str:
+    """A run's legend entry: its run name (with the algorithm when the name lacks it), final accuracy or status."""
+    name = r.run_name if r.algorithm in r.run_name else f"{r.run_name} ({r.algorithm})"
+    if r.curve:
+        return f"{name}: {_pct(r.final_acc)}" + ("" if r.status == "completed" else f", {r.status}")
+    return f"{name}: {r.status}, no evaluated round"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def accuracy_figure(records: list[RunRecord]) -> Figure:
+    """Test accuracy per round, one line per run (a run with no evaluated round: a legend entry)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for r in records:
-        if not r.curve:
-            continue
-        xs, ys = zip(*r.curve)
+        xs, ys = zip(*r.curve) if r.curve else ((), ())
         style = "--" if r.algorithm == REFERENCE else "-"
-        ax.plot(
-            xs,
-            [100 * y for y in ys],
-            style,
-            marker="." if len(xs) < 40 else None,
-            label=f"{r.label} ({_pct(r.final_acc)})",
-        )
+        ax.plot(xs, [100 * y for y in ys], style, marker="." if len(xs) < 40 else None, label=legend_label(r))
     datasets = sorted({r.dataset for r in records})
     ax.set_title(", ".join(datasets) + ": test accuracy")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("communication round")
+    round_axis(ax)
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)
-    if any(r.curve for r in records):
+    if records:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot_accuracy(records: list[RunRecord], out: Path) -> Path:
+    """Write :func:`accuracy_figure` to ``out`` (a PNG); returns the path."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    accuracy_figure(records).savefig(out, dpi=110)
     return out
 
 

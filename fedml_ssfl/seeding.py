@@ -18,9 +18,6 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-SERVER = -1
-"""Party id used for the server's own random stream."""
-
 
 def derive_seed(seed: int, *parts: int | str) -> int:
     """Mix a base seed with any number of tags into a 63-bit seed.

@@ -19,8 +19,6 @@ its indices. Nothing here imports the algorithm layer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 INDEX_BYTES = 8
@@ -74,28 +72,6 @@ def densify(t: torch.Tensor, shape: torch.Size | tuple[int, ...] | None = None) 
     """The dense tensor of a :func:`sparsify` result (sparse or dense), reshaped to ``shape``."""
     dense = t.to_dense() if t.is_sparse else t
     return dense.reshape(shape) if shape is not None else dense
-
-
-def sparsify_dict(
-    deltas: Mapping[str, torch.Tensor], threshold: float, prefix: str = "", dense_fallback: bool = True
-) -> dict[str, torch.Tensor]:
-    """:func:`sparsify` every tensor of ``deltas``, keys prefixed with ``prefix``."""
-    return {f"{prefix}{k}": sparsify(v, threshold, dense_fallback) for k, v in deltas.items()}
-
-
-def densify_dict(
-    encoded: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size | tuple[int, ...]], prefix: str = ""
-) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`sparsify_dict`: ``{name: dense}`` for every ``prefix + name`` in ``encoded``.
-
-    Keys of ``encoded`` without ``prefix`` are ignored; ``shapes`` gives each name's shape.
-    """
-    out = {}
-    for key, t in encoded.items():
-        if key.startswith(prefix):
-            name = key[len(prefix) :]
-            out[name] = densify(t, shapes[name])
-    return out
 
 
 def hard_threshold(t: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -2,10 +2,13 @@
 
 Two halves with different dependencies:
 
-* :mod:`mobile_export.export` (with :mod:`.verify` and :mod:`.quantize`): torch -> ONNX, ORT
-  format and int8, each verified. Needs torch and the project; runs where training ran.
-* :mod:`mobile_export.edge_label`: the on-device runner. numpy + onnxruntime only (and Pillow
-  if it reads image files); it can be copied to a device on its own.
+* :mod:`mobile_export.export` (with :mod:`.verify`, :mod:`.quantize`, :mod:`.graph` for the
+  ONNX edits and :mod:`.ort_format` for the ORT files and the reduced-build operator config):
+  torch -> ONNX, ORT format and int8, each verified. Needs torch and the project; runs where
+  training ran.
+* :mod:`mobile_export.edge_label`: the on-device runner, and the edge contract (names, dtypes,
+  version) the exporter writes. numpy + onnxruntime only (and Pillow if it reads image files); it
+  can be copied to a device on its own.
 
 This package imports nothing heavy on import, so ``python -m mobile_export.edge_label`` works
 on a device without torch. The export names below load on first use.

@@ -9,7 +9,8 @@ Input: a ``.npy`` batch of uint8 images ``(N, C, H, W)``, a ``.npz`` with ``imag
 optionally ``ids``), or a folder of image files (PNG/JPEG/..., read with Pillow). Output, in
 ``--out``: ``pseudo_labels.csv`` and ``pseudo_labels.jsonl`` (id, label, class name, confidence,
 mask; probabilities in the JSONL) and ``pseudo_labels.npz`` (the same as arrays, to feed back
-into training). Throughput is printed.
+into training). Throughput is printed. The ``.ort`` files are exported for phones with a fixed
+batch (1 by default) and run image by image; ``model.onnx`` takes any batch, for bulk labeling.
 
 Self-ensemble (FedSEAL, Bian et al. Eq. 8): with ``--ensemble-state FILE`` the runner keeps,
 per sample id, the running mean of the probabilities the sample received from successive
@@ -37,11 +38,23 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_TAG = "fedml_ssfl.edge/1"
+# The edge contract, defined here once (the exporter and its checks import it; this file runs alone).
+EDGE_FORMAT_VERSION = 2
+"""Version of the contract below. Written as the model's ``model_version`` (ModelProto) and in its
+``format`` metadata; apps check it before trusting names and dtypes. 2: ``mask`` uint8 (was bool),
+``thresholds`` optional with the defaults baked in (was required)."""
+FORMAT_TAG = f"fedml_ssfl.edge/{EDGE_FORMAT_VERSION}"
+READABLE_FORMATS = {"fedml_ssfl.edge/1": 1, FORMAT_TAG: EDGE_FORMAT_VERSION}
+"""``format`` metadata this runner reads, and the contract version each one means."""
 STATE_FORMAT = "fedml_ssfl.edge.ensemble/1"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm", ".pnm")
 INPUT_NAMES = ("images", "thresholds")  # uint8 images (N, C, H, W) and per-class thresholds (K,)
+OPTIONAL_INPUTS = ("thresholds",)  # an initializer of the same name holds the default: feed it only to override
 OUTPUT_NAMES = ("probs", "label", "confidence", "mask")  # the edge graph's outputs, in order
+INPUT_DTYPES = {"images": "uint8", "thresholds": "float32"}
+OUTPUT_DTYPES = {"probs": "float32", "label": "int64", "confidence": "float32", "mask": "uint8"}
+"""numpy names of the graph's element types. ``mask`` is 0/1 uint8: onnxruntime's Objective-C / Swift
+API has no bool tensor type."""
 
 
 class EdgeInputError(ValueError):
@@ -63,6 +76,8 @@ class ModelInfo:
     precision: str
     algorithm: str
     round: int
+    format_version: int = EDGE_FORMAT_VERSION
+    batch_size: int | None = None  # fixed by the model (``.ort`` files are exported with batch 1), or None: any
 
     @property
     def num_classes(self) -> int:
@@ -71,6 +86,35 @@ class ModelInfo:
     @property
     def expected(self) -> str:
         return f"uint8 images of shape (N, {self.channels}, {self.height}, {self.width}) (N, C, H, W)"
+
+
+def model_batch_size(session) -> int | None:
+    """The batch size an onnxruntime session's ``images`` input is fixed to, or None when it is dynamic."""
+    dim = next((i.shape[0] for i in session.get_inputs() if i.name == INPUT_NAMES[0]), None)
+    return dim if isinstance(dim, int) and dim > 0 else None
+
+
+def run_batches(session, images: np.ndarray, thresholds=None, batch_size: int = 256) -> list[np.ndarray]:
+    """Run an edge model over ``images``; the outputs in :data:`OUTPUT_NAMES` order, one row per image.
+
+    ``thresholds`` None feeds ``images`` alone (the model's baked-in defaults apply; a format-1
+    model needs them given). A model with a fixed batch runs in batches of that size, the last one
+    padded with zeros and the padding dropped from the outputs; ``batch_size`` applies otherwise.
+    With no images every entry is None.
+    """
+    fixed = model_batch_size(session)
+    step = fixed or batch_size
+    feed = {} if thresholds is None else {INPUT_NAMES[1]: np.asarray(thresholds, dtype=np.float32)}
+    parts: list[list[np.ndarray]] = [[] for _ in OUTPUT_NAMES]
+    for start in range(0, len(images), step):
+        chunk = images[start : start + step]
+        n = len(chunk)
+        if fixed and n < fixed:
+            chunk = np.concatenate([chunk, np.zeros((fixed - n, *chunk.shape[1:]), dtype=chunk.dtype)])
+        out = session.run(list(OUTPUT_NAMES), {INPUT_NAMES[0]: chunk, **feed})
+        for acc, arr in zip(parts, out):
+            acc.append(arr[:n])
+    return [np.concatenate(p) if p else None for p in parts]
 
 
 def _ort_reason(exc: BaseException) -> str:
@@ -117,7 +161,7 @@ class EdgeLabeler:
                                  "kind of file, or truncated; export the model with `fedml-ssfl export RUN_DIR` and "
                                  "pass its model.onnx / model.ort (or model.int8.*)") from None
         meta = self.session.get_modelmeta().custom_metadata_map
-        if meta.get("format") != FORMAT_TAG:
+        if meta.get("format") not in READABLE_FORMATS:
             raise EdgeInputError(f"{path} is not a fedml_ssfl edge model (metadata 'format' is "
                                  f"{meta.get('format')!r}, expected {FORMAT_TAG!r}); export it with mobile_export")
         _, c, h, w = json.loads(meta["input_shape"])
@@ -126,6 +170,7 @@ class EdgeLabeler:
             default_thresholds=[float(v) for v in json.loads(meta["default_thresholds"])],
             model_version=meta.get("model_version", ""), config_hash=meta.get("config_hash", ""),
             precision=meta.get("precision", ""), algorithm=meta.get("algorithm", ""), round=int(meta.get("round", -1)),
+            format_version=READABLE_FORMATS[meta["format"]], batch_size=model_batch_size(self.session),
         )
 
     def thresholds(self, values=None) -> np.ndarray:
@@ -168,21 +213,23 @@ class EdgeLabeler:
         return np.ascontiguousarray(arr)
 
     def predict(self, images: np.ndarray, thresholds=None, batch_size: int = 256) -> dict[str, np.ndarray]:
-        """Run the model in batches: ``probs`` (N, K), ``label``, ``confidence``, ``mask``, and ``seconds``."""
+        """Run the model in batches: ``probs`` (N, K), ``label``, ``confidence``, ``mask``, and ``seconds``.
+
+        ``mask`` comes back as a numpy bool array (the graph's 0/1 uint8, so that ``images[mask]``
+        selects). Without ``thresholds`` only ``images`` is fed and the model's baked-in defaults
+        apply. A model with a fixed batch (the ``.ort`` files) runs in batches of that size.
+        """
         images = self.check_images(images)
-        thr = self.thresholds(thresholds)
         if batch_size < 1:
             raise EdgeInputError(f"batch size must be >= 1, got {batch_size}")
-        parts: list[list[np.ndarray]] = [[] for _ in OUTPUT_NAMES]
+        thr = self.thresholds(thresholds) if thresholds is not None or self.info.format_version < 2 else None
         t = time.perf_counter()
-        for s in range(0, len(images), batch_size):
-            out = self.session.run(list(OUTPUT_NAMES), dict(zip(INPUT_NAMES, (images[s : s + batch_size], thr))))
-            for acc, arr in zip(parts, out):
-                acc.append(arr)
+        outputs = run_batches(self.session, images, thr, batch_size)
         seconds = time.perf_counter() - t
         k = self.info.num_classes
-        empty = (np.zeros((0, k), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, bool))
-        res = {name: (np.concatenate(p) if p else e) for name, p, e in zip(OUTPUT_NAMES, parts, empty)}
+        empty = (np.zeros((0, k), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.uint8))
+        res = {name: (out if out is not None else e) for name, out, e in zip(OUTPUT_NAMES, outputs, empty)}
+        res["mask"] = res["mask"] != 0
         res["seconds"] = np.float64(seconds)
         return res
 
@@ -405,7 +452,7 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
     return {
         "images": n, "passed_threshold": int(mask.sum()), "mask_rate": float(mask.mean()) if n else 0.0,
         "seconds": seconds, "images_per_second": n / seconds if seconds > 0 else float("inf"),
-        "batch_size": batch_size, "model": str(model), "precision": labeler.info.precision,
+        "batch_size": labeler.info.batch_size or batch_size, "model": str(model), "precision": labeler.info.precision,
         "model_version": labeler.info.model_version, "ensemble": ensemble_state is not None,
         "outputs": [str(out / f"pseudo_labels.{ext}") for ext in ("csv", "jsonl", "npz")],
     }
@@ -417,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="model.onnx / model.ort / model.int8.ort from mobile_export")
     parser.add_argument("input", help=".npy or .npz batch of uint8 (N, C, H, W) images, or a folder of image files")
     parser.add_argument("--out", required=True, help="output directory for pseudo_labels.{csv,jsonl,npz}")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=256, help="images per run (default 256); a model "
+                        "exported with a fixed batch (the .ort files: 1) runs at its own batch size")
     parser.add_argument("--threshold", dest="thresholds", type=float, nargs="+", metavar="TAU",
                         help="one tau for every class, or one per class (default: the model's own)")
     parser.add_argument("--ensemble-state", help="self-ensemble state file (.npz): label from the running mean of "

@@ -2,23 +2,31 @@
 
 The exported graph does the whole job of an edge device::
 
-    images (N, C, H, W) uint8, thresholds (K,) float
+    images (N, C, H, W) uint8, thresholds (K,) float (optional)
       -> float, /255, (x - mean) / std        the dataset's normalization, inside the graph
       -> model -> softmax                     probs (N, K)
       -> max / argmax                         confidence (N,), label (N,) int64
-      -> confidence >= thresholds[label]      mask (N,) bool
+      -> confidence >= thresholds[label]      mask (N,) uint8, 0 or 1
 
 ``thresholds`` is a per-class vector input (FedSEAL's class-wise thresholds, or one tau
-broadcast to every class); its default, the class names, mean and std, the input shape, the
-algorithm, round and a hash of the run's config ride in the model's metadata.
+broadcast to every class) with the defaults baked in (an initializer of the same name), so a
+phone may feed ``images`` alone. The defaults, the class names, mean and std, the input shape,
+the algorithm, round and a hash of the run's config ride in the model's metadata; the model's
+``model_version`` is the edge contract's version (:data:`~mobile_export.edge_label.EDGE_FORMAT_VERSION`).
+
+``model.onnx`` / ``model.int8.onnx`` keep a dynamic batch (bulk labeling in Python, int8
+calibration); the ``.ort`` files for phones are converted from a copy with the batch fixed
+(``batch_size``, default 1), because NNAPI and CoreML take only fixed shapes. Beside them,
+``required_operators.config`` lists the operators a reduced onnxruntime build needs.
 
 Every export is verified (see :mod:`mobile_export.verify`) and a failed check fails it:
-``onnx.checker`` full check, onnxruntime's mobile usability check (report saved), parity with
-torch on real test images (probabilities within rtol 1e-3 / atol 1e-5, identical labels and
-masks) for the ``.onnx`` and the ``.ort`` file, and for the int8 model (static QDQ, per-channel,
-calibrated on client data, see :mod:`mobile_export.quantize`) the gates: test accuracy drop at
-most 1 point and pseudo-label agreement with the float model at least 98%. Everything lands in
-``export_report.json``.
+``onnx.checker`` full check, onnxruntime's mobile usability check (report saved, NNAPI / CoreML
+coverage parsed into the report), the edge contract of every file (names, dtypes, batch,
+version, the baked-in defaults), parity with torch on real test images (probabilities within
+rtol 1e-3 / atol 1e-5, identical labels and masks) for the ``.onnx`` and the ``.ort`` file, and
+for the int8 model (static QDQ, per-channel, calibrated on client data, see
+:mod:`mobile_export.quantize`) the gates: test accuracy drop at most 1 point and pseudo-label
+agreement with the float model at least 98%. Everything lands in ``export_report.json``.
 
 Entry points: :func:`export_run` (a run directory or checkpoint), :func:`export_model` (any
 registry model plus its data facts), and the ``fedml-ssfl export`` hooks
@@ -33,6 +41,7 @@ import logging
 import math
 import re
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -43,8 +52,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import verify
-from .edge_label import FORMAT_TAG, INPUT_NAMES, OUTPUT_NAMES
+from . import graph, ort_format, verify
+from .edge_label import FORMAT_TAG, INPUT_NAMES, OUTPUT_DTYPES, OUTPUT_NAMES
 from .verify import Predictions
 
 log = logging.getLogger(__name__)
@@ -60,6 +69,9 @@ MIN_AGREEMENT = 0.98
 """int8 gate: pseudo-labels must agree with the float model's on at least this fraction."""
 REPORT_NAME = "export_report.json"
 DEFAULT_WEIGHTS = "global_state"
+DEFAULT_ORT_BATCH = 1
+"""Batch size the ``.ort`` files are fixed to by default (NNAPI / CoreML need fixed shapes; a phone labels
+one image at a time). 0 keeps the batch dynamic."""
 
 
 class ExportError(RuntimeError):
@@ -92,12 +104,18 @@ class EdgeModel(nn.Module):
         self.register_buffer("std", torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1))
 
     def forward(self, images: torch.Tensor, thresholds: torch.Tensor):
-        """uint8 images (N, C, H, W) and thresholds (K,) -> probs, label, confidence, mask."""
+        """uint8 images (N, C, H, W) and thresholds (K,) -> probs, label, confidence, mask (uint8 0/1)."""
         x = images.to(torch.float32) / 255.0  # same order of operations as data.augment.to_float/normalize
         x = (x - self.mean) / self.std
         probs = torch.softmax(self.net(x), dim=1)
         confidence, label = probs.max(dim=1)
-        mask = confidence >= thresholds[label]
+        # The tail is written so that NNAPI / CoreML take the backbone and softmax as one partition and
+        # leave the whole tail to the CPU: torch.gather (ONNX GatherElements, which neither takes)
+        # rather than thresholds[label] (an Unsqueeze they take between two they do not: a 1-node
+        # partition), and Where rather than Cast for the uint8 mask, for the same reason. uint8, not
+        # bool: onnxruntime's Objective-C / Swift API has no bool tensors.
+        one, zero = torch.ones((), dtype=torch.uint8), torch.zeros((), dtype=torch.uint8)
+        mask = torch.where(confidence >= torch.gather(thresholds, 0, label), one, zero)
         return probs, label, confidence, mask
 
 
@@ -131,7 +149,7 @@ class EdgeMetadata:
         return f"{self.config_hash or 'unknown'}:round{self.round}{tail}"
 
     def props(self, precision: str) -> dict[str, str]:
-        """String key/values for ``onnx.helper.set_model_props``."""
+        """String key/values for ``onnx.helper.set_model_props`` (``input_shape`` with a dynamic batch, ``N``)."""
         return {
             "format": FORMAT_TAG,
             "class_names": json.dumps(self.class_names),
@@ -142,6 +160,7 @@ class EdgeMetadata:
             "input_dtype": "uint8",
             "inputs": ",".join(INPUT_NAMES),
             "outputs": ",".join(OUTPUT_NAMES),
+            "output_dtypes": json.dumps(OUTPUT_DTYPES),
             "default_thresholds": json.dumps(self.thresholds),
             "threshold_source": self.threshold_source,
             "algorithm": self.algorithm,
@@ -280,23 +299,16 @@ def model_opset(path: str | Path) -> int:
     return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), -1)
 
 
-def write_metadata(path: str | Path, meta: EdgeMetadata, precision: str) -> None:
-    """Set the model's metadata and strip per-node exporter annotations (stack traces, paths)."""
-    import onnx
+GRAPH_DOC = (
+    "Inputs: images uint8 (N, C, H, W); thresholds float32 (K,), optional: its default is baked in "
+    "(metadata default_thresholds). Outputs: probs float32 (N, K), label int64 (N,), confidence float32 (N,), "
+    "mask uint8 (N,): 1 where confidence >= thresholds[label], else 0."
+)
 
-    model = onnx.load(str(path))
-    for node in model.graph.node:
-        del node.metadata_props[:]
-        node.doc_string = ""
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, meta.props(precision))
-    model.producer_name = "fedml_ssfl.mobile_export"
-    model.graph.name = f"{meta.model or 'model'}_edge"
-    model.doc_string = (
-        "Inputs: images uint8 (N, C, H, W); thresholds float32 (K,) (defaults: metadata default_thresholds). "
-        "Outputs: probs (N, K), label int64 (N,), confidence (N,), mask bool (N,) = confidence >= thresholds[label]."
-    )
-    onnx.save(model, str(path))
+
+def write_metadata(path: str | Path, meta: EdgeMetadata, precision: str) -> dict[str, Any]:
+    """Finish the exported file at ``path``: metadata, baked-in thresholds, version, opsets (:func:`graph.finalize`)."""
+    return graph.finalize(path, meta.props(precision), meta.thresholds, GRAPH_DOC, f"{meta.model or 'model'}_edge")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,10 +435,66 @@ def _session(report: ExportReport, path: Path, check: str):
 
 def _to_ort(report: ExportReport, onnx_path: Path, ort_path: Path) -> Path:
     try:
-        return verify.convert_to_ort(onnx_path, ort_path)
+        return ort_format.convert_to_ort(onnx_path, ort_path)
     except Exception as exc:  # onnxruntime's own errors
-        report.fail(f"ort_format_{onnx_path.name}",
-                    f"ORT-format conversion of {onnx_path.name} failed: {_first_line(exc)}")
+        report.fail(f"ort_format_{ort_path.name}",
+                    f"ORT-format conversion for {ort_path.name} failed: {_first_line(exc)}")
+
+
+def check_batch_size(batch_size) -> int | None:
+    """The ``.ort`` batch: an int >= 1, or None for 0 (a dynamic batch).
+
+    Raises
+    ------
+    ExportError
+        Not an integer, or negative.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
+        raise ExportError(f"--batch-size: the .ort files' batch must be an integer >= 1 (or 0 for a dynamic "
+                          f"batch), got {batch_size!r}")
+    return int(batch_size) or None
+
+
+class _Artifacts:
+    """The ``.ort`` side of one precision: the fixed-batch graph it is converted from, checks and files."""
+
+    def __init__(self, report: ExportReport, onnx_path: Path, tmp: Path, batch: int | None, meta: EdgeMetadata,
+                 precision: str) -> None:
+        self.report, self.onnx_path, self.batch, self.meta = report, onnx_path, batch, meta
+        stem = onnx_path.name[: -len(".onnx")]  # model | model.int8
+        self.prefix = "" if precision == "float32" else "int8_"
+        self.ort_path = onnx_path.with_name(f"{stem}.ort")
+        self.config_path = onnx_path.with_name(f"{stem}.{ort_format.CONFIG_NAME}")
+        self.usability_txt = onnx_path.with_name(f"mobile_usability{stem[len('model'):]}.txt")
+        if batch is None:
+            self.ort_source = onnx_path
+        else:
+            self.ort_source = graph.fix_batch_size(onnx_path, tmp / f"{stem}.batch{batch}.onnx", batch)
+
+    def usability(self) -> None:
+        """onnxruntime's mobile usability check of the ``.ort``'s graph (and of the dynamic ``.onnx``, to compare)."""
+        batch_words = f"batch {self.batch}" if self.batch else "dynamic batch"
+        label = f"{self.ort_path.name}'s graph ({self.onnx_path.name} with {batch_words})"
+        result = verify.mobile_usability(self.ort_source, self.usability_txt, label=label)
+        result.update(model=self.ort_path.name, batch_size=self.batch or "dynamic")
+        if self.batch is not None:
+            dyn = verify.mobile_usability(self.onnx_path, self.usability_txt.with_suffix(".onnx.txt"))
+            result["onnx"] = {"model": self.onnx_path.name, "batch_size": "dynamic",
+                              **{k: dyn[k] for k in ("report", "coverage", "error")}}
+            result["passed"] = result["passed"] and dyn["passed"]
+        self.report.record(f"{self.prefix}mobile_usability", result)
+
+    def convert(self):
+        """Write the ``.ort`` file; its onnxruntime session."""
+        _to_ort(self.report, self.ort_source, self.ort_path)
+        return _session(self.report, self.ort_path, f"onnxruntime_load_{self.ort_path.name}")
+
+    def contract(self, name: str, session, images: np.ndarray, batch: int | None) -> None:
+        self.report.record(name, verify.check_contract(session, images[:3], self.meta.thresholds, batch))
+
+    def operators(self) -> dict[str, Any]:
+        info = ort_format.write_required_operators(self.config_path, [(self.ort_source, self.ort_path)])
+        return {**verify.artifact_info(self.config_path), **info}
 
 
 def export_model(
@@ -443,6 +511,7 @@ def export_model(
     quantize: bool = True,
     max_acc_drop: float = MAX_ACC_DROP,
     min_agreement: float = MIN_AGREEMENT,
+    batch_size: int = DEFAULT_ORT_BATCH,
     source: dict[str, Any] | None = None,
 ) -> ExportReport:
     """Export ``model`` (any registry model) and verify every artifact.
@@ -453,9 +522,9 @@ def export_model(
         Takes normalised float input, returns logits; put in eval mode here.
     out_dir : path
         Receives ``model.onnx``, ``model.ort``, ``model.int8.onnx``, ``model.int8.ort``, the
-        mobile-usability reports and ``export_report.json``.
+        ``required_operators`` configs, the mobile-usability reports and ``export_report.json``.
     meta : EdgeMetadata
-        Data facts and provenance; ``meta.thresholds`` are the default thresholds.
+        Data facts and provenance; ``meta.thresholds`` are the default thresholds (baked in).
     test_images, test_labels : numpy.ndarray
         uint8 ``(N, C, H, W)`` images for the parity check (and labels for accuracy, if known).
     unlabeled_images, calibration_images : numpy.ndarray, optional
@@ -468,6 +537,9 @@ def export_model(
         Also build and gate the int8 model.
     max_acc_drop, min_agreement : float
         The int8 gates (fractions: 0.01 is one point).
+    batch_size : int
+        The batch the ``.ort`` files are fixed to (default 1: NNAPI and CoreML take only fixed
+        shapes); 0 keeps it dynamic. The ``.onnx`` files keep a dynamic batch either way.
 
     Returns
     -------
@@ -480,6 +552,7 @@ def export_model(
         Bad input, an op the exporter cannot handle, or a failed check (the report is still
         written, with ``status: failed`` and the failing check).
     """
+    batch = check_batch_size(batch_size)
     out = make_out_dir(out_dir)
     meta.thresholds = check_thresholds(meta.thresholds, meta.num_classes)
     thresholds = np.asarray(meta.thresholds, dtype=np.float32)
@@ -500,36 +573,48 @@ def export_model(
         report.exporter = export_onnx(edge, onnx_path, example, opset=opset, dynamo=dynamo)
     except ExportError as exc:
         report.fail("export", str(exc))
-    write_metadata(onnx_path, meta, "float32")
+    report.exporter["graph"] = write_metadata(onnx_path, meta, "float32")
+    report.exporter["ort_batch_size"] = batch or "dynamic"
     report.seconds["export"] = time.perf_counter() - timer
 
-    report.record("onnx_checker", verify.onnx_full_check(onnx_path))
-    report.record("mobile_usability", verify.mobile_usability(onnx_path, out / "mobile_usability.txt"))
+    with tempfile.TemporaryDirectory(prefix="mobile_export_") as tmp:
+        report.record("onnx_checker", verify.onnx_full_check(onnx_path))
+        float_ort = _Artifacts(report, onnx_path, Path(tmp), batch, meta, "float32")
+        float_ort.usability()
 
-    t = time.perf_counter()
-    reference = torch_predictions(model, images, meta.mean, meta.std, thresholds)
-    float_session = _session(report, onnx_path, "onnxruntime_load")
-    float_test = verify.run_session(float_session, images, thresholds)
-    parity = verify.compare_float(reference, float_test)
-    if labels is not None:
-        parity["torch_test_acc"] = reference.accuracy(labels)
-        parity["onnx_test_acc"] = float_test.accuracy(labels)
-    parity["mask_rate"] = float_test.mask_rate
-    report.record("parity_onnx", parity)
-
-    ort_path = _to_ort(report, onnx_path, out / "model.ort")
-    report.record("parity_ort", verify.compare_float(reference, verify.run_session(
-        _session(report, ort_path, "onnxruntime_load_ort"), images, thresholds)))
-    report.seconds["verify_float"] = time.perf_counter() - t
-    report.artifacts = {"onnx": verify.artifact_info(onnx_path), "ort": verify.artifact_info(ort_path)}
-
-    if quantize:
         t = time.perf_counter()
-        _quantize_and_gate(report, onnx_path, float_session, float_test, meta, thresholds, images, labels,
-                           unlabeled_images, calibration_images, max_acc_drop, min_agreement)
-        report.seconds["int8"] = time.perf_counter() - t
-    else:
-        report.checks["int8"] = {"skipped": True, "reason": "quantize=False (--no-int8)"}
+        reference = torch_predictions(model, images, meta.mean, meta.std, thresholds)
+        float_session = _session(report, onnx_path, "onnxruntime_load")
+        float_ort.contract("contract_onnx", float_session, images, None)
+        float_test = verify.run_session(float_session, images)  # images alone: the baked-in thresholds
+        parity = verify.compare_float(reference, float_test)
+        if labels is not None:
+            parity["torch_test_acc"] = reference.accuracy(labels)
+            parity["onnx_test_acc"] = float_test.accuracy(labels)
+        parity["mask_rate"] = float_test.mask_rate
+        report.record("parity_onnx", parity)
+
+        ort_session = float_ort.convert()
+        float_ort.contract("contract_ort", ort_session, images, batch)
+        ort_test = verify.run_session(ort_session, images, thresholds)  # thresholds fed: the override path
+        report.record("parity_ort", verify.compare_float(reference, ort_test))
+        report.seconds["verify_float"] = time.perf_counter() - t
+        report.artifacts = {"onnx": verify.artifact_info(onnx_path),
+                            "ort": {**verify.artifact_info(float_ort.ort_path), "batch_size": batch or "dynamic"}}
+        report.artifacts["required_operators"] = float_ort.operators()
+        pairs = [(float_ort.ort_source, float_ort.ort_path)]
+
+        if quantize:
+            t = time.perf_counter()
+            int8_ort = _quantize_and_gate(report, onnx_path, float_session, float_test, meta, thresholds, images,
+                                          labels, unlabeled_images, calibration_images, max_acc_drop, min_agreement,
+                                          Path(tmp), batch)
+            pairs.append((int8_ort.ort_source, int8_ort.ort_path))
+            report.seconds["int8"] = time.perf_counter() - t
+        else:
+            report.checks["int8"] = {"skipped": True, "reason": "quantize=False (--no-int8)"}
+        combined = ort_format.write_required_operators(out / ort_format.CONFIG_NAME, pairs)
+        report.artifacts["required_operators_all"] = {**verify.artifact_info(out / ort_format.CONFIG_NAME), **combined}
 
     report.seconds["total"] = time.perf_counter() - timer
     report.status = "ok"
@@ -539,7 +624,8 @@ def export_model(
 
 def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, float_test: Predictions,
                        meta: EdgeMetadata, thresholds: np.ndarray, images: np.ndarray, labels: np.ndarray | None,
-                       unlabeled_images, calibration_images, max_acc_drop: float, min_agreement: float) -> None:
+                       unlabeled_images, calibration_images, max_acc_drop: float, min_agreement: float,
+                       tmp: Path, batch: int | None) -> _Artifacts:
     from .quantize import quantize_int8
 
     out = onnx_path.parent
@@ -549,24 +635,29 @@ def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, flo
         report.quantization = quantize_int8(onnx_path, q_path, calib, thresholds)
     except Exception as exc:
         report.fail("int8_quantize", f"int8 quantization failed: {_first_line(exc)}")
-    write_metadata(q_path, meta, "int8")
+    report.quantization["graph"] = write_metadata(q_path, meta, "int8")
     report.record("int8_onnx_checker", verify.onnx_full_check(q_path))
-    report.record("int8_mobile_usability", verify.mobile_usability(q_path, out / "mobile_usability.int8.txt"))
+    q_ort = _Artifacts(report, q_path, tmp, batch, meta, "int8")
+    q_ort.usability()
     unl = None if unlabeled_images is None or len(unlabeled_images) == 0 else _check_images(
         unlabeled_images, meta, "unlabeled_images")
     float_unl = verify.run_session(float_session, unl, thresholds) if unl is not None else None
     gate_labels = labels if labels is not None else float_test.label  # without labels: accuracy vs float labels
-    q_ort = _to_ort(report, q_path, out / "model.int8.ort")
-    for name, path in (("int8_gates", q_path), ("int8_ort_gates", q_ort)):
-        session = _session(report, path, f"onnxruntime_load_{path.name}")
+    q_session = _session(report, q_path, "onnxruntime_load_model.int8.onnx")
+    q_ort.contract("int8_contract_onnx", q_session, images, None)
+    ort_session = q_ort.convert()
+    q_ort.contract("int8_contract_ort", ort_session, images, batch)
+    for name, session in (("int8_gates", q_session), ("int8_ort_gates", ort_session)):
         q_test = verify.run_session(session, images, thresholds)
         q_unl = verify.run_session(session, unl, thresholds) if unl is not None else None
         result = verify.compare_int8(float_test, q_test, gate_labels, float_unl, q_unl, max_acc_drop, min_agreement)
         result["accuracy_against"] = "test labels" if labels is not None else "float model labels"
         report.record(name, result)
     report.artifacts["int8_onnx"] = verify.artifact_info(q_path)
-    report.artifacts["int8_ort"] = verify.artifact_info(q_ort)
+    report.artifacts["int8_ort"] = {**verify.artifact_info(q_ort.ort_path), "batch_size": batch or "dynamic"}
+    report.artifacts["int8_required_operators"] = q_ort.operators()
     report.artifacts["int8_to_float_size"] = report.artifacts["int8_onnx"]["bytes"] / report.artifacts["onnx"]["bytes"]
+    return q_ort
 
 
 def _check_images(images, meta: EdgeMetadata, where: str) -> np.ndarray:
@@ -704,6 +795,7 @@ def export_run(
     max_acc_drop: float = MAX_ACC_DROP,
     min_agreement: float = MIN_AGREEMENT,
     weights: str = DEFAULT_WEIGHTS,
+    batch_size: int = DEFAULT_ORT_BATCH,
 ) -> ExportReport:
     """Export a run's model (RUN_DIR or its checkpoint file) to ``out_dir``, verified.
 
@@ -733,6 +825,9 @@ def export_run(
         Which model of the checkpoint's algorithm state: ``global_state`` (default) or a dotted
         path to another state dict, e.g. ``group_states.1`` (the model FedAvg-SSL sends to the
         clients of group 1).
+    batch_size : int
+        The batch the ``.ort`` files are fixed to (default 1); 0 keeps it dynamic. The
+        ``.onnx`` files keep a dynamic batch.
 
     Returns
     -------
@@ -747,6 +842,7 @@ def export_run(
     from fedml_ssfl.config import ConfigError
     from fedml_ssfl.experiment import load_experiment_dataset, model_factory
 
+    check_batch_size(batch_size)
     run = load_run_source(source)
     cfg, payload = run.config, run.checkpoint
     if parity_samples is not None and parity_samples < 0:
@@ -782,7 +878,7 @@ def export_run(
     return export_model(
         net, out_dir, meta, test_images=dataset.test_images[:n].numpy(), test_labels=dataset.test_labels[:n].numpy(),
         unlabeled_images=unlabeled, calibration_images=calib, opset=opset, dynamo=dynamo, quantize=quantize,
-        max_acc_drop=max_acc_drop, min_agreement=min_agreement, source=src,
+        max_acc_drop=max_acc_drop, min_agreement=min_agreement, batch_size=batch_size, source=src,
     )
 
 
@@ -806,6 +902,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--weights", default=DEFAULT_WEIGHTS, metavar="KEY",
                         help="which model in the checkpoint's algorithm state (default: global_state; "
                              "e.g. group_states.1 for a FedAvg-SSL group model)")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_ORT_BATCH, metavar="N",
+                        help=f"fix the batch of the .ort files to N (default {DEFAULT_ORT_BATCH}: NNAPI and CoreML "
+                             "need fixed shapes; 0 keeps it dynamic); the .onnx files keep a dynamic batch")
     parser.add_argument("--legacy-exporter", dest="dynamo", action="store_false",
                         help="use the TorchScript exporter instead of dynamo")
     parser.add_argument("--max-acc-drop", type=float, default=100 * MAX_ACC_DROP,
@@ -830,7 +929,12 @@ def format_report(report: ExportReport) -> str:
              f"{report.exporter.get('exporter')} exporter, opset {report.exporter.get('opset')}"]
     for art in report.artifacts.values():
         if isinstance(art, dict):
-            lines.append(f"  {art['path']:<18} {art['bytes'] / 2**20:8.2f} MiB")
+            lines.append(f"  {art['path']:<37} {art['bytes'] / 2**20:8.2f} MiB")
+    u = report.checks.get("mobile_usability", {})
+    if u:
+        lines.append(f"  {u['model']} (batch {u['batch_size']}): {verify.coverage_line(u.get('coverage'))}")
+        if "onnx" in u:
+            lines.append(f"  {u['onnx']['model']} (dynamic batch): {verify.coverage_line(u['onnx'].get('coverage'))}")
     p = report.checks.get("parity_onnx", {})
     if p:
         lines.append(f"  parity with torch on {p['samples']} test images: max |dp| {p['max_abs_prob_diff']:.2e}, "
@@ -858,6 +962,7 @@ def run_export_from_args(args: argparse.Namespace, prog: str = "export") -> int:
             args.source, out, opset=args.opset, thresholds=args.thresholds, quantize=args.quantize,
             parity_samples=args.parity_samples, dynamo=args.dynamo, calibration_samples=args.calibration_samples,
             max_acc_drop=args.max_acc_drop / 100.0, min_agreement=args.min_agreement / 100.0, weights=args.weights,
+            batch_size=args.batch_size,
         )
     except ExportError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .edge_label import INPUT_NAMES
+
 QUANTIZED_OP_TYPES = ("Conv", "Gemm", "MatMul", "Add", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool")
 """Operator types quantized in the backbone (everything else stays float)."""
 
@@ -57,7 +59,8 @@ class _Batches:
 
     def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         for s in range(0, len(self.images), self.batch_size):
-            yield {"images": np.ascontiguousarray(self.images[s : s + self.batch_size]), "thresholds": self.thresholds}
+            yield {INPUT_NAMES[0]: np.ascontiguousarray(self.images[s : s + self.batch_size]),
+                   INPUT_NAMES[1]: self.thresholds}
 
     def get_next(self):
         return next(self._it, None)
@@ -102,11 +105,18 @@ def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_imag
 
     thresholds = np.asarray(thresholds, dtype=np.float32)
     with tempfile.TemporaryDirectory(prefix="mobile_export_q_") as tmp:
-        pre = Path(tmp) / "pre.onnx"
+        plain, pre = Path(tmp) / "plain.onnx", Path(tmp) / "pre.onnx"
+        # quantized without the baked-in default thresholds (calibration feeds them; the int8 file gets
+        # them back when it is finalized), so no tool treats them as a constant
+        model = onnx.load(str(float_path))
+        kept = [t for t in model.graph.initializer if t.name != INPUT_NAMES[1]]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        onnx.save(model, str(plain))
         try:  # shape inference + basic optimisation (folds BatchNorm into Conv), as ORT recommends
-            quant_pre_process(str(float_path), str(pre))
+            quant_pre_process(str(plain), str(pre))
         except Exception:  # symbolic shape inference cannot read every graph; ONNX's is enough here
-            quant_pre_process(str(float_path), str(pre), skip_symbolic_shape=True)
+            quant_pre_process(str(plain), str(pre), skip_symbolic_shape=True)
         model = onnx.load(str(pre))
         for i, node in enumerate(model.graph.node):  # nodes_to_exclude works by name
             if not node.name:

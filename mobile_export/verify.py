@@ -1,4 +1,4 @@
-"""Checks every exported model goes through: ONNX checker, ORT-mobile usability, parity, ORT format.
+"""Checks every exported model goes through: ONNX checker, ORT-mobile usability, parity, the edge contract.
 
 Nothing here imports torch: the torch side of a parity check arrives as numpy arrays
 (:class:`Predictions`), so the same functions check a float model against torch and an int8
@@ -10,13 +10,25 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .edge_label import INPUT_NAMES, OUTPUT_NAMES  # the edge contract, defined once (that file runs alone)
+# the edge contract, defined once (that file runs alone on devices)
+from .edge_label import (
+    EDGE_FORMAT_VERSION,
+    FORMAT_TAG,
+    INPUT_DTYPES,
+    INPUT_NAMES,
+    OPTIONAL_INPUTS,
+    OUTPUT_DTYPES,
+    OUTPUT_NAMES,
+    model_batch_size,
+    run_batches,
+)
 
 PROB_RTOL = 1e-3
 PROB_ATOL = 1e-5
@@ -54,20 +66,17 @@ def make_session(path: str | Path, threads: int = 0):
     return ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
 
 
-def run_session(session, images: np.ndarray, thresholds: np.ndarray, batch_size: int = 256) -> Predictions:
-    """Run the edge graph over ``images`` in batches."""
-    parts: list[list[np.ndarray]] = [[], [], [], []]
-    thr = np.asarray(thresholds, dtype=np.float32)
-    for start in range(0, len(images), batch_size):
-        out = session.run(list(OUTPUT_NAMES), dict(zip(INPUT_NAMES, (images[start : start + batch_size], thr))))
-        for acc, arr in zip(parts, out):
-            acc.append(arr)
-    if not parts[0]:
-        k = len(thr)
+def run_session(session, images: np.ndarray, thresholds=None, batch_size: int = 256) -> Predictions:
+    """Run the edge graph over ``images`` (see :func:`mobile_export.edge_label.run_batches`).
+
+    ``thresholds`` None feeds ``images`` alone, so the model's baked-in defaults apply.
+    """
+    probs, label, conf, mask = run_batches(session, images, thresholds, batch_size)
+    if probs is None:
+        k = session.get_outputs()[0].shape[1]
         return Predictions(np.zeros((0, k), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
                            np.zeros(0, bool))
-    probs, label, conf, mask = (np.concatenate(p) for p in parts)
-    return Predictions(probs.astype(np.float32), label.astype(np.int64), conf.astype(np.float32), mask.astype(bool))
+    return Predictions(probs.astype(np.float32), label.astype(np.int64), conf.astype(np.float32), mask != 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,11 +97,77 @@ def onnx_full_check(path: str | Path) -> dict[str, Any]:
     return {"passed": True, "error": None}
 
 
-def mobile_usability(path: str | Path, report_path: str | Path) -> dict[str, Any]:
-    """onnxruntime's ORT-mobile usability check; its log is saved to ``report_path``.
+USABILITY_EPS = {
+    "NNAPI": "nnapi",
+    "CoreML NeuralNetwork": "coreml_neuralnetwork",
+    "CoreML MLProgram": "coreml_mlprogram",
+}
+"""The execution providers onnxruntime's usability check reports on, and their keys in the export report."""
+
+_EP_SECTION = re.compile(r"Checking (" + "|".join(USABILITY_EPS) + r")\s*$")
+_IF_FIXED = "Partition information if the model was updated to make the shapes fixed"
+_TOTALS = re.compile(r"(\d+) partitions with a total of (\d+)/(\d+) nodes can be handled by the .+ EP\.")
+_SIZES = re.compile(r"Partition sizes: \[([\d, ]*)\]")
+_UNSUPPORTED = re.compile(r"Unsupported ops: (\S+)")
+_DYNAMIC = re.compile(r"Unsupported nodes due to input having a dynamic shape=(\d+)")
+_VERDICT = re.compile(r"Model should perform well with .+ as is: (\w+)")
+_VERDICT_FIXED = re.compile(r"Model should perform well with .+ if modified to have fixed input shapes: (\w+)")
+
+
+def parse_usability_report(text: str) -> dict[str, dict[str, Any]]:
+    """NNAPI / CoreML coverage from the text of onnxruntime's mobile usability check.
+
+    Returns
+    -------
+    dict
+        Per execution provider (``nnapi``, ``coreml_neuralnetwork``, ``coreml_mlprogram``):
+        ``supported_nodes``, ``nodes``, ``share``, ``partitions``, ``partition_sizes``,
+        ``unsupported_ops``, ``dynamic_shape_nodes``, ``verdict`` (the tool's YES / MAYBE / NO), and
+        for a model with dynamic inputs the tool's estimate ``if_shapes_fixed`` (same keys).
+
+    Raises
+    ------
+    ValueError
+        The text lacks an execution provider's totals (the tool's wording changed).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    cur: dict[str, Any] | None = None
+    for line in text.splitlines():
+        if m := _EP_SECTION.search(line):
+            cur = out.setdefault(USABILITY_EPS[m.group(1)], {"partition_sizes": [], "unsupported_ops": [],
+                                                             "dynamic_shape_nodes": 0})
+            section = cur
+        elif cur is None:
+            continue
+        elif _IF_FIXED in line:
+            cur = section["if_shapes_fixed"] = {"partition_sizes": [], "unsupported_ops": [], "dynamic_shape_nodes": 0}
+        elif m := _TOTALS.search(line):
+            parts, supported, nodes = (int(g) for g in m.groups())
+            cur.update(partitions=parts, supported_nodes=supported, nodes=nodes,
+                       share=round(supported / nodes, 4) if nodes else 0.0)
+        elif m := _SIZES.search(line):
+            cur["partition_sizes"] = [int(v) for v in m.group(1).split(",") if v.strip()]
+        elif m := _UNSUPPORTED.search(line):
+            cur["unsupported_ops"] = m.group(1).split(",")
+        elif m := _DYNAMIC.search(line):
+            cur["dynamic_shape_nodes"] = int(m.group(1))
+        elif m := _VERDICT.search(line):
+            section["verdict"] = m.group(1)
+        elif m := _VERDICT_FIXED.search(line):
+            section["if_shapes_fixed"]["verdict"] = m.group(1)
+    missing = [k for k in USABILITY_EPS.values() if "nodes" not in out.get(k, {})]
+    if missing:
+        raise ValueError(f"no node totals for {', '.join(missing)} in the usability report")
+    return out
+
+
+def mobile_usability(path: str | Path, report_path: str | Path, label: str | None = None) -> dict[str, Any]:
+    """onnxruntime's ORT-mobile usability check; its log is saved to ``report_path`` and parsed.
 
     The check is advisory (it says whether NNAPI / CoreML would take the model, and which ops
     keep a model on the CPU execution provider); it fails only if it cannot analyse the model.
+    ``coverage`` holds :func:`parse_usability_report`'s figures (None, with ``parse_error``, if
+    the text could not be read). ``label`` replaces the model's path in the saved text.
     """
     from onnxruntime.tools.mobile_helpers import usability_checker
 
@@ -112,10 +187,75 @@ def mobile_usability(path: str | Path, report_path: str | Path) -> dict[str, Any
     finally:
         logger.removeHandler(handler)
     text = buf.getvalue()
+    if label:
+        text = text.replace(str(path), label)
     Path(report_path).write_text(text, encoding="utf-8")
     verdict = ("NNAPI or CoreML may help; compare them against the CPU EP" if try_eps
                else "use the CPU execution provider")
-    return {"passed": error is None, "error": error, "report": str(report_path), "recommendation": verdict}
+    out = {"passed": error is None, "error": error, "report": Path(report_path).name, "recommendation": verdict,
+           "coverage": None}
+    if error is None:
+        try:
+            out["coverage"] = parse_usability_report(text)
+        except ValueError as exc:
+            out["parse_error"] = str(exc)
+    return out
+
+
+def coverage_line(coverage: dict[str, dict[str, Any]] | None) -> str:
+    """``NNAPI 17/21 nodes in 2 partitions, CoreML MLProgram 18/21 in 2, ...`` (or why there is none)."""
+    if not coverage:
+        return "no coverage figures"
+    names = {v: k for k, v in USABILITY_EPS.items()}
+    return ", ".join(f"{names[k]} {c['supported_nodes']}/{c['nodes']} nodes in {c['partitions']} partitions"
+                     for k, c in coverage.items())
+
+
+_ORT_TYPES = {"uint8": "tensor(uint8)", "float32": "tensor(float)", "int64": "tensor(int64)"}
+
+
+def check_contract(session, images: np.ndarray, default_thresholds, batch_size: int | None) -> dict[str, Any]:
+    """Does the model in ``session`` keep the edge contract? Names, dtypes, batch, version, defaults.
+
+    Checks: the required inputs are ``images`` alone (uint8, batch ``batch_size`` or dynamic when
+    None) and ``thresholds`` is an overridable initializer; the outputs are
+    :data:`~mobile_export.edge_label.OUTPUT_NAMES` with :data:`~mobile_export.edge_label.OUTPUT_DTYPES`;
+    ``model_version`` and the ``format`` metadata say this contract; run on ``images`` with
+    ``images`` fed alone, ``mask`` is ``confidence >= default_thresholds[label]`` as 0/1.
+    """
+    failures = []
+    inputs = {i.name: i for i in session.get_inputs()}
+    required = [n for n in INPUT_NAMES if n not in OPTIONAL_INPUTS]
+    if list(inputs) != required:
+        failures.append(f"required inputs are {list(inputs)}, expected {required}")
+    overridable = [i.name for i in session.get_overridable_initializers()]
+    if list(OPTIONAL_INPUTS) != [n for n in overridable if n in INPUT_NAMES]:
+        failures.append(f"optional inputs (overridable initializers) are {overridable}, "
+                        f"expected {list(OPTIONAL_INPUTS)}")
+    images_in = inputs.get(INPUT_NAMES[0])
+    if images_in is not None and images_in.type != _ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]:
+        failures.append(f"images is {images_in.type}, expected {_ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]}")
+    got_batch = model_batch_size(session)
+    if got_batch != batch_size:
+        failures.append(f"images batch is {got_batch or 'dynamic'}, expected {batch_size or 'dynamic'}")
+    outputs = {o.name: o.type for o in session.get_outputs()}
+    want = {name: _ORT_TYPES[OUTPUT_DTYPES[name]] for name in OUTPUT_NAMES}
+    if outputs != want:
+        failures.append(f"outputs are {outputs}, expected {want}")
+    meta = session.get_modelmeta()
+    if meta.version != EDGE_FORMAT_VERSION or meta.custom_metadata_map.get("format") != FORMAT_TAG:
+        failures.append(f"model_version {meta.version} / format {meta.custom_metadata_map.get('format')!r}, "
+                        f"expected {EDGE_FORMAT_VERSION} / {FORMAT_TAG!r}")
+    mask_ok = None
+    if not failures:
+        probs, label, conf, mask = run_batches(session, images)
+        thr = np.asarray(default_thresholds, dtype=np.float32)
+        mask_ok = bool(mask.dtype == np.uint8 and np.array_equal(mask, (conf >= thr[label]).astype(np.uint8)))
+        if not mask_ok:
+            failures.append("with images fed alone, mask is not confidence >= the default thresholds[label]")
+    return {"passed": not failures, "failures": failures, "inputs": list(inputs), "optional_inputs": overridable,
+            "outputs": outputs, "batch_size": got_batch or "dynamic", "model_version": meta.version,
+            "default_thresholds_mask": mask_ok}
 
 
 def compare_float(reference: Predictions, got: Predictions, rtol: float = PROB_RTOL,
@@ -191,30 +331,7 @@ def compare_int8(float_test: Predictions, int8_test: Predictions, test_labels: n
 
 
 # ---------------------------------------------------------------------------------------------
-# ORT format
-
-
-def convert_to_ort(onnx_path: str | Path, ort_path: str | Path, target_platform: str = "arm") -> Path:
-    """Save ``onnx_path`` in ORT format (``.ort``) for ORT-mobile runtimes.
-
-    Fully optimised (level "all", as onnxruntime's ``convert_onnx_models_to_ort`` does), but
-    without the x86-only NCHWc layout transformer unless ``target_platform == "amd64"``, so
-    the file runs on ARM phones and x86 hosts alike.
-    """
-    import onnxruntime as ort
-
-    ort_path = Path(ort_path)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.optimized_model_filepath = str(ort_path)
-    so.add_session_config_entry("session.save_model_format", "ORT")
-    so.log_severity_level = 3
-    disabled = [] if target_platform == "amd64" else ["NchwcTransformer"]
-    ort.InferenceSession(str(onnx_path), sess_options=so, providers=["CPUExecutionProvider"],
-                         disabled_optimizers=disabled)
-    if not ort_path.is_file():
-        raise RuntimeError(f"onnxruntime did not write {ort_path}")
-    return ort_path
+# artifacts
 
 
 def file_sha256(path: str | Path) -> str:

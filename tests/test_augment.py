@@ -144,3 +144,63 @@ def test_the_default_strong_view_is_randaugment_mc() -> None:
     assert abs(float((~applied).all(dim=1).float().mean()) - 0.25) < 0.03
     grey = (out == 127.0 / 255.0).sum(dim=(1, 2, 3))
     assert int(grey.max()) == 7 * 7
+
+
+# ---- the batched fast path gives the op-by-op path's images bit for bit (issue 15) -----------------
+def _strong_op_by_op(x, gen, *, flip, num_ops=2, magnitude=10, op_prob=0.5, cutout=None):
+    """The former strong_augment: each op applied to its samples (boolean mask), one op at a time,
+    geometric ops each with their own warp. The fast path must give exactly these images."""
+    from fedml_ssfl.data.augment import _sample_cutout, apply_cutout
+
+    n, _, h, w = x.shape
+    x = weak_augment(x, gen, flip=flip)
+    ops, levels, signs, applied = sample_ops(n, gen, num_ops, magnitude, op_prob)
+    side = default_cutout(h) if cutout is None else cutout
+    sides, centres = _sample_cutout(n, h, w, side, gen)
+    x = x.clone()
+    for slot in range(num_ops):
+        for op_id in torch.unique(ops[:, slot]).tolist():
+            sel = (ops[:, slot] == op_id) & applied[:, slot]
+            if OP_NAMES[op_id] == "Identity" or not bool(sel.any()):
+                continue
+            x[sel] = apply_op(x[sel], op_id, levels[sel, slot], signs[sel, slot])
+    return apply_cutout(x, sides, centres).clamp_(0.0, 1.0) if side > 0 else x.clamp_(0.0, 1.0)
+
+
+def _equalize_by_sorting(x):
+    """The searchsorted CDF (the GPU path), to check the CPU histogram against."""
+    m, c, h, w = x.shape
+    q = (x * 255.0).round().clamp_(0.0, 255.0).reshape(m * c, h * w).contiguous()
+    ordered, _ = torch.sort(q, dim=1)
+    cdf = torch.searchsorted(ordered, q, right=True).to(x.dtype)
+    cdf_min = torch.searchsorted(ordered, ordered[:, :1].contiguous(), right=True).to(x.dtype)
+    span = h * w - cdf_min
+    out = ((cdf - cdf_min) / span.clamp_min(1.0)).view(m, c, h, w)
+    return torch.where(span.view(m, c, 1, 1) > 0, out, x).clamp_(0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "flip", "options"),
+    [
+        ((64, 1, 28, 28), False, {}),
+        ((64, 1, 28, 28), False, {"num_ops": 3, "op_prob": 1.0}),
+        ((37, 3, 32, 32), True, {}),
+        ((5, 1, 8, 8), False, {"magnitude": 5, "cutout": 0}),
+    ],
+)
+def test_strong_fast_path_equals_the_op_by_op_path(shape, flip, options) -> None:
+    for seed in range(6):
+        x = (batch(shape[0], shape[1], shape[2], seed) * 255).round() / 255
+        x[:, :, :3, :3] = 0.5  # flat patches: ties for equalize and autocontrast
+        fast = strong_augment(x, generator(seed, "s"), flip=flip, **options)
+        slow = _strong_op_by_op(x, generator(seed, "s"), flip=flip, **options)
+        assert torch.equal(fast, slow), (seed, (fast - slow).abs().max())
+
+
+def test_equalize_histogram_equals_the_sorted_cdf() -> None:
+    x = (batch(9, 3, 16, seed=3) * 255).round() / 255
+    x[0] = 0.25  # a single-valued image is left unchanged
+    x[1, :, :8] = 0.0
+    out = apply_op(x.clone(), OP_NAMES.index("Equalize"), torch.ones(9), torch.ones(9))
+    assert torch.equal(out, _equalize_by_sorting(x.clone()))
+    assert torch.equal(out[0], x[0])

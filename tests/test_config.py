@@ -146,3 +146,69 @@ def test_config_accepts_exactly_the_partition_methods_the_data_layer_has():
     from fedml_ssfl.data.partition import METHODS
 
     assert CHOICES["data_args.partition_method"] == METHODS
+
+
+def test_the_run_name_follows_what_runs_unless_set(tmp_path, caplog):
+    """No run_name: <dataset>_<algorithm>. A file's own name stays unless --set changes the dataset or the
+    algorithm; --set common_args.run_name always wins (in either order)."""
+    from fedml_ssfl.cli import DEFAULT_JOB
+
+    caplog.set_level("INFO", logger="fedml_ssfl.config")
+
+    def name(path, *overrides):
+        return load_config(path, list(overrides)).common_args.run_name
+
+    assert name(None) == "mnist5k_fedavg_ssl"
+    assert name(None, "data_args.dataset=digits", "ssfl_args.algorithm=fedmatch") == "digits_fedmatch"
+    assert name(DEFAULT_JOB) == "mnist5k_semifl"  # the file's own name
+    assert name(DEFAULT_JOB, "train_args.comm_round=2", "data_args.dataset=mnist5k") == "mnist5k_semifl"
+    assert name(DEFAULT_JOB, "ssfl_args.algorithm=fedavg_ssl") == "mnist5k_fedavg_ssl"
+    assert "mnist5k_semifl -> mnist5k_fedavg_ssl" in caplog.text  # the change is said
+    assert name(DEFAULT_JOB, "data_args.dataset=digits") == "digits_semifl"
+    assert name(DEFAULT_JOB, "ssfl_args.algorithm=fedavg_ssl", "common_args.run_name=mine") == "mine"
+    assert name(DEFAULT_JOB, "common_args.run_name=mine", "data_args.dataset=digits") == "mine"
+    nameless = tmp_path / "c.yaml"
+    nameless.write_text("data_args:\n  dataset: digits\nssfl_args:\n  algorithm: semifl\n")
+    assert name(nameless) == "digits_semifl"
+    assert name(nameless, "ssfl_args.algorithm=server_only") == "digits_server_only"
+    with pytest.raises(ConfigError, match="common_args.run_name: '' must be one folder name"):
+        load_config(nameless, ["common_args.run_name="])  # an explicit empty name is still refused
+    cfg = load_config(DEFAULT_JOB)
+    assert cfg.with_algorithm("fedavg_ssl").common_args.run_name == "mnist5k_fedavg_ssl"
+    assert cfg.with_algorithm("fedavg_ssl", run_name="x").common_args.run_name == "x"
+    again = tmp_path / "resolved.yaml"  # a run's resolved config.yaml keeps its name
+    again.write_text(load_config(nameless).to_yaml())
+    assert name(again) == "digits_semifl"
+
+
+def test_fedml_ssfl_set_shrinks_every_loaded_config_but_a_command_line_set_wins(monkeypatch, caplog):
+    import fedml_ssfl.config as config
+    from fedml_ssfl.cli import DEFAULT_JOB
+
+    monkeypatch.setattr(config, "_smoke_warned", set())
+    monkeypatch.setenv("FEDML_SSFL_SET", "train_args.comm_round=2 train_args.local_steps=3 ssfl_args.server_steps=4")
+    cfg = load_config(DEFAULT_JOB, ["train_args.local_steps=7"])  # the main job: semifl, 20 rounds of T = 16
+    assert cfg.train_args.comm_round == 2 and cfg.ssfl_args.server_steps == 4  # the file's 20 and 100 replaced
+    assert cfg.train_args.local_steps == 7  # the command line's --set wins
+    warned = [r.getMessage() for r in caplog.records if "FEDML_SSFL_SET is set" in r.getMessage()]
+    assert len(warned) == 1 and "train_args.comm_round=2" in warned[0] and "local_steps=3" not in warned[0]
+    # an ssfl_args key applies only where the algorithm has it (fedavg_ssl has no server_steps)
+    other = load_config(DEFAULT_JOB, ["ssfl_args.algorithm=fedavg_ssl"])
+    assert other.algorithm == "fedavg_ssl" and other.train_args.comm_round == 2
+    assert other.common_args.run_name == "mnist5k_fedavg_ssl"
+    monkeypatch.delenv("FEDML_SSFL_SET")
+    assert load_config(DEFAULT_JOB).train_args.comm_round == 20
+
+
+@pytest.mark.parametrize(
+    "value, pattern",
+    [
+        ("ssfl_args.algorithm=fedavg_ssl", r"FEDML_SSFL_SET: ssfl_args\.algorithm names the run"),
+        ("comm_round=2", r"FEDML_SSFL_SET=.*expected section\.key=value"),
+        ("train_args.comm_rund=2", r"train_args\.comm_rund.*did you mean 'comm_round'"),
+    ],
+)
+def test_fedml_ssfl_set_refuses_naming_keys_and_malformed_items(monkeypatch, value, pattern):
+    monkeypatch.setenv("FEDML_SSFL_SET", value)
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None)

@@ -352,7 +352,7 @@ def test_label_count_mismatch_is_refused_at_load_naming_the_files_and_counts(tmp
 
     labels = _write_real(tmp_path, name, extra_train_labels=extra)
     assert _partition(tmp_path, name) == 2
-    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl: error:")
     if name in ("mnist", "emnist_balanced"):
         images = labels.parent / labels.name.replace("labels-idx1", "images-idx3")
         assert f"{labels} holds {20 + extra} labels but {images} holds 20 images" in line, line
@@ -377,7 +377,7 @@ def test_a_truncated_dataset_file_is_one_line_naming_it(tmp_path, capsys, name, 
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * cut) if cut < 1 else int(cut)])
     assert _partition(tmp_path, name) == 2
-    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl: error:")
     what = {"svhn": "not an SVHN .mat file", "cifar10": "not a CIFAR python batch", "mnist": "not a readable gzip"}
     assert f"{path}: {what[name]}" in line, line
     assert "download the dataset again" in line
@@ -391,9 +391,9 @@ def test_an_svhn_mat_without_its_arrays_is_named(tmp_path, capsys):
     path = _write_real(tmp_path, "svhn")
     savemat(str(path), {"X": _pixels(np.random.default_rng(0), 4, 32, 32, 3)})  # no y; X the wrong way round
     assert _partition(tmp_path, "svhn") == 2
-    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl: error:")
     assert f"{path}: no 'y' array" in line, line
     savemat(str(path), {"X": _pixels(np.random.default_rng(0), 4, 32, 32, 3), "y": np.ones((4, 1))})
     assert _partition(tmp_path, "svhn") == 2
-    line = one_line_error(capsys.readouterr().err, "fedml-ssfl partition: error:")
+    line = one_line_error(capsys.readouterr().err, "fedml-ssfl: error:")
     assert f"{path}: 'X' has shape (4, 32, 32, 3), not (32, 32, 3, N)" in line, line

@@ -120,6 +120,56 @@ def test_labels_confidence_and_mask_match_the_model(models, batch, tmp_path):
     assert all((r["mask"] == "1") == (int(r["label"]) in (1, 3)) for r in _rows(tmp_path / "c"))
 
 
+def test_a_fixed_batch_model_labels_any_number_of_images(models, batch, tmp_path):
+    """The .ort files take one image a run (batch fixed to 1 for NNAPI / CoreML); the runner batches for them."""
+    images = np.load(batch)
+    labeler = el.EdgeLabeler(models["v4"])
+    assert labeler.info.batch_size == 1 and labeler.info.format_version == el.EDGE_FORMAT_VERSION
+    assert {o.name: o.type for o in labeler.session.get_outputs()}["mask"] == "tensor(uint8)"
+    fixed = labeler.predict(images, batch_size=16)  # the model's own batch wins
+    dynamic = el.EdgeLabeler(models["v4"].with_suffix(".onnx"))  # the same weights, any batch
+    assert dynamic.info.batch_size is None
+    ref = dynamic.predict(images, batch_size=16)
+    np.testing.assert_allclose(fixed["probs"], ref["probs"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(fixed["mask"], ref["mask"])
+    assert fixed["mask"].dtype == bool  # the graph's 0/1 uint8, as a numpy boolean mask
+    assert el.label_images(models["v4"], batch, tmp_path)["batch_size"] == 1
+    with np.load(tmp_path / "pseudo_labels.npz") as npz:
+        assert npz["mask"].dtype == bool and len(npz["mask"]) == 40
+    # the default thresholds are baked in: images alone give the same mask as the metadata's defaults fed
+    probs, label, conf, mask = el.run_batches(labeler.session, images)
+    _, _, _, fed = el.run_batches(labeler.session, images, labeler.thresholds())
+    np.testing.assert_array_equal(mask, fed)
+    assert 0 < mask.sum() < len(mask)
+
+
+def test_a_model_of_the_first_contract_still_labels(models, batch, tmp_path):
+    """Format 1 (exported before contract 2): thresholds a required input, mask bool. The runner feeds them."""
+    import onnx
+
+    model = onnx.load(str(models["v4"].with_suffix(".onnx")))
+    kept = [t for t in model.graph.initializer if t.name != "thresholds"]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    where = next(n for n in model.graph.node if n.op_type == "Where" and n.output[0] == "mask")
+    compare = next(n for n in model.graph.node if n.output[0] == where.input[0])
+    compare.output[0] = "mask"
+    model.graph.node.remove(where)
+    next(o for o in model.graph.output if o.name == "mask").type.tensor_type.elem_type = onnx.TensorProto.BOOL
+    next(p for p in model.metadata_props if p.key == "format").value = "fedml_ssfl.edge/1"
+    old = tmp_path / "old.onnx"
+    onnx.save(model, str(old))
+    labeler = el.EdgeLabeler(old)
+    assert labeler.info.format_version == 1 and [i.name for i in labeler.session.get_inputs()] == [
+        "images",
+        "thresholds",
+    ]
+    images = np.load(batch)
+    got, ref = labeler.predict(images), el.EdgeLabeler(models["v4"]).predict(images)
+    np.testing.assert_array_equal(got["mask"], ref["mask"])
+    assert got["mask"].dtype == bool and 0 < got["mask"].sum() < len(images)
+
+
 def test_self_ensemble_is_the_running_mean_over_model_versions(models, batch, tmp_path):
     images = np.load(batch)
     p3 = el.EdgeLabeler(models["v3"]).predict(images)["probs"]

@@ -19,6 +19,8 @@ from fedml_ssfl.data.augment import normalize, to_float
 from fedml_ssfl.experiment import load_experiment_dataset, model_factory
 from fedml_ssfl.models import available_models, build_model, model_spec
 from mobile_export import export as ex
+from mobile_export import graph, verify
+from mobile_export.edge_label import EDGE_FORMAT_VERSION, OUTPUT_DTYPES, OUTPUT_NAMES, run_batches
 from mobile_export.verify import make_session, run_session
 
 RUN_OVERRIDES = [
@@ -85,6 +87,11 @@ def test_export_run_writes_verified_float_ort_and_int8_models(full_export, train
         "export_report.json",
         "mobile_usability.txt",
         "mobile_usability.int8.txt",
+        "mobile_usability.onnx.txt",
+        "mobile_usability.int8.onnx.txt",
+        "model.required_operators.config",
+        "model.int8.required_operators.config",
+        "required_operators.config",
     ):
         assert (out / name).is_file(), name
     saved = json.loads((out / "export_report.json").read_text())
@@ -99,6 +106,10 @@ def test_export_run_writes_verified_float_ort_and_int8_models(full_export, train
         "int8_mobile_usability",
         "int8_gates",
         "int8_ort_gates",
+        "contract_onnx",
+        "contract_ort",
+        "int8_contract_onnx",
+        "int8_contract_ort",
     ):
         assert checks[name]["passed"], name
     # parity on the whole digits test set (359 images < 1,000)
@@ -125,10 +136,10 @@ def test_exported_graph_interface_and_metadata(full_export, trained_run):
     assert [o.name for o in model.graph.output] == ["probs", "label", "confidence", "mask"]
     cfg = load_config(trained_run / "config.yaml")
     ckpt = load_checkpoint(trained_run / "checkpoints" / "last.pt")
-    for path in (out / "model.onnx", out / "model.int8.ort"):
+    for path, batch in ((out / "model.onnx", "N"), (out / "model.int8.ort", 1)):
         meta = make_session(path).get_modelmeta().custom_metadata_map
         assert json.loads(meta["class_names"]) == [str(i) for i in range(10)]
-        assert json.loads(meta["input_shape"]) == ["N", 1, 8, 8]
+        assert json.loads(meta["input_shape"]) == [batch, 1, 8, 8]  # the .ort files have a fixed batch
         assert json.loads(meta["default_thresholds"]) == [0.95] * 10  # fedavg_ssl's ssfl_args.threshold
         assert meta["threshold_source"] == "config ssfl_args.threshold"
         assert meta["algorithm"] == "fedavg_ssl" and meta["round"] == str(ckpt["round"])
@@ -137,8 +148,9 @@ def test_exported_graph_interface_and_metadata(full_export, trained_run):
         assert json.loads(meta["mean"]) == pytest.approx(list(ds.mean))
         assert json.loads(meta["std"]) == pytest.approx(list(ds.std))
     assert make_session(out / "model.int8.ort").get_modelmeta().custom_metadata_map["precision"] == "int8"
-    # exporter stack traces (build-machine paths) are stripped from the nodes
+    # exporter stack traces (build-machine paths) are stripped from the nodes, and its annotations from the outputs
     assert not any(n.metadata_props for n in model.graph.node)
+    assert not any(v.metadata_props for v in model.graph.output)
 
 
 def test_int8_model_is_qdq_with_float_tail(full_export):
@@ -151,7 +163,8 @@ def test_int8_model_is_qdq_with_float_tail(full_export):
     classifier = producers[softmax.input[0]]
     assert classifier.op_type == "Gemm"  # float logits into a float softmax
     assert all(producers[i].op_type != "DequantizeLinear" for i in classifier.input[1:] if i in producers)
-    tail = {"Softmax", "ReduceMax", "ArgMax", "GatherND", "Gather", "GreaterOrEqual", "Unsqueeze"}
+    tail = {"Softmax", "ReduceMax", "ArgMax", "GatherElements", "GreaterOrEqual", "Where"}
+    assert tail <= set(ops)
     for node in model.graph.node:
         if node.op_type in tail:
             assert all(
@@ -168,6 +181,169 @@ def test_int8_model_is_qdq_with_float_tail(full_export):
         and len(inits[n.input[0]].dims) == 4
     )
     assert list(inits[dq_weight.input[1]].dims) == [inits[dq_weight.input[0]].dims[0]]
+
+
+ARTIFACTS = ("model.onnx", "model.ort", "model.int8.onnx", "model.int8.ort")
+ORT_TYPES = {"uint8": "tensor(uint8)", "float32": "tensor(float)", "int64": "tensor(int64)"}
+
+
+def _test_images(n: int = 40) -> np.ndarray:
+    cfg = load_config(None, RUN_OVERRIDES)
+    return load_experiment_dataset(cfg).test_images[:n].numpy()
+
+
+def test_mask_is_uint8_zero_or_one(full_export):
+    """bool has no tensor type in onnxruntime's Objective-C / Swift API: every file's mask is uint8."""
+    _, out = full_export
+    images = _test_images()
+    for name in ARTIFACTS:
+        sess = make_session(out / name)
+        assert {o.name: o.type for o in sess.get_outputs()} == {k: ORT_TYPES[OUTPUT_DTYPES[k]] for k in OUTPUT_NAMES}
+        thr = np.where(np.arange(10) % 2 == 0, 1.01, 0.0).astype(np.float32)  # odd labels pass, even ones not
+        probs, label, conf, mask = run_batches(sess, images, thr)
+        assert mask.dtype == np.uint8 and set(np.unique(mask)) <= {0, 1}, name
+        np.testing.assert_array_equal(mask, (label % 2).astype(np.uint8))
+        assert 0 < mask.sum() < len(mask), name  # both values occur, so the comparison is exercised
+
+
+def test_thresholds_are_optional_with_the_defaults_baked_in(full_export):
+    """A phone feeds images alone; the defaults live in an initializer that the .ort files keep."""
+    _, out = full_export
+    images = _test_images()
+    defaults = np.full(10, 0.95, np.float32)  # fedavg_ssl's ssfl_args.threshold, the export's default
+    for name in ARTIFACTS:
+        sess = make_session(out / name)
+        assert [i.name for i in sess.get_inputs()] == ["images"], name
+        assert [i.name for i in sess.get_overridable_initializers()] == ["thresholds"], name
+        _, label, conf, mask = run_batches(sess, images)  # images alone
+        np.testing.assert_array_equal(mask, (conf >= defaults[label]).astype(np.uint8))
+        _, _, _, all_in = run_batches(sess, images, np.zeros(10, np.float32))  # an override is honoured
+        assert all_in.all(), name
+    for name in ("model.onnx", "model.int8.onnx"):
+        model = onnx.load(str(out / name))
+        init = next(t for t in model.graph.initializer if t.name == "thresholds")
+        assert onnx.numpy_helper.to_array(init).tolist() == pytest.approx(defaults.tolist())
+        assert "thresholds" in [i.name for i in model.graph.input]
+
+
+def test_model_version_producer_and_only_the_opset_domains_in_use(full_export, tmp_path):
+    import fedml_ssfl
+
+    _, out = full_export
+    for name in ("model.onnx", "model.int8.onnx"):
+        model = onnx.load(str(out / name))
+        assert model.model_version == EDGE_FORMAT_VERSION
+        assert (model.producer_name, model.producer_version) == ("fedml_ssfl.mobile_export", fedml_ssfl.__version__)
+        assert [o.domain for o in model.opset_import] == [""], name  # every node is standard ONNX
+        assert {n.domain for n in model.graph.node} <= {""}
+    for name in ARTIFACTS:
+        assert make_session(out / name).get_modelmeta().version == EDGE_FORMAT_VERSION, name
+    # the quantizer may declare every domain onnxruntime knows; finalize keeps those in use only
+    model = onnx.load(str(out / "model.onnx"))
+    for domain in ("ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc", "org.pytorch.aten"):
+        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    model.graph.node[0].domain = "ai.onnx"  # the default domain by its other name counts as in use
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    done = graph.finalize(tmp_path / "m.onnx", {"format": "x"}, [0.5] * 10, "doc")
+    assert done["opset_domains_dropped"] == ["ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc", "org.pytorch.aten"]
+    assert [o.domain for o in onnx.load(str(tmp_path / "m.onnx")).opset_import] == [""]
+
+
+def test_ort_files_have_a_fixed_batch_and_the_onnx_files_a_dynamic_one(full_export):
+    report, out = full_export
+    for name in ("model.ort", "model.int8.ort"):
+        sess = make_session(out / name)
+        assert sess.get_inputs()[0].shape == [1, 1, 8, 8], name
+        assert [o.shape[0] for o in sess.get_outputs()] == [1, 1, 1, 1], name
+    for name in ("model.onnx", "model.int8.onnx"):
+        assert isinstance(make_session(out / name).get_inputs()[0].shape[0], str), name
+    assert report.artifacts["ort"]["batch_size"] == report.artifacts["int8_ort"]["batch_size"] == 1
+    assert (
+        report.checks["contract_ort"]["batch_size"] == 1 and report.checks["contract_onnx"]["batch_size"] == "dynamic"
+    )
+
+
+def test_mobile_usability_coverage_is_in_the_report(full_export):
+    """The fixed-batch graph the .ort files hold gets most nodes on NNAPI and CoreML; the dynamic one none."""
+    _, out = full_export
+    saved = json.loads((out / "export_report.json").read_text())
+    usability = saved["checks"]["mobile_usability"]
+    assert usability["model"] == "model.ort" and usability["batch_size"] == 1
+    cov = usability["coverage"]
+    assert set(cov) == {"nnapi", "coreml_neuralnetwork", "coreml_mlprogram"}
+    for ep in ("nnapi", "coreml_mlprogram"):
+        c = cov[ep]
+        assert c["nodes"] > 10 and c["supported_nodes"] / c["nodes"] >= 0.6, (ep, c)
+        assert c["share"] == pytest.approx(c["supported_nodes"] / c["nodes"], abs=1e-4)
+        assert c["partitions"] == len(c["partition_sizes"]) >= 1 and sum(c["partition_sizes"]) == c["supported_nodes"]
+        assert c["dynamic_shape_nodes"] == 0
+        assert "ai.onnx:ArgMax" in cov["nnapi"]["unsupported_ops"]
+    # the same graph with a dynamic batch (model.onnx): nothing on NNAPI / CoreML
+    dynamic = usability["onnx"]["coverage"]
+    assert all(c["supported_nodes"] == 0 and c["dynamic_shape_nodes"] > 0 for c in dynamic.values())
+    assert dynamic["nnapi"]["if_shapes_fixed"]["supported_nodes"] > 0
+    int8 = saved["checks"]["int8_mobile_usability"]["coverage"]["nnapi"]
+    assert int8["supported_nodes"] / int8["nodes"] >= 0.6 and int8["dynamic_shape_nodes"] == 0
+    text = (out / "mobile_usability.txt").read_text()
+    assert "model.ort's graph (model.onnx with batch 1)" in text and str(out) not in text
+    assert f"{cov['nnapi']['supported_nodes']}/{cov['nnapi']['nodes']} nodes can be handled by the NNAPI EP" in text
+
+
+def test_usability_report_parser():
+    text = (
+        "INFO: Checking NNAPI\nINFO: 2 partitions with a total of 17/21 nodes can be handled by the NNAPI EP.\n"
+        "INFO: \tPartition sizes: [16, 1]\nINFO: \tUnsupported ops: ai.onnx:ArgMax,ai.onnx:Where\n"
+        "INFO: Model should perform well with NNAPI as is: MAYBE\n"
+        "INFO: Checking CoreML NeuralNetwork\nINFO: 0 partitions with a total of 0/21 nodes can be handled by the "
+        "CoreML NeuralNetwork EP.\nINFO: Unsupported nodes due to input having a dynamic shape=21\n"
+        "INFO: Partition information if the model was updated to make the shapes fixed:\n"
+        "INFO: 2 partitions with a total of 16/21 nodes can be handled by the CoreML NeuralNetwork EP.\n"
+        "INFO: Model should perform well with CoreML NeuralNetwork if modified to have fixed input shapes: NO\n"
+        "INFO: Checking CoreML MLProgram\nINFO: 1 partitions with a total of 18/21 nodes can be handled by the "
+        "CoreML MLProgram EP.\n"
+    )
+    cov = verify.parse_usability_report(text)
+    assert cov["nnapi"] == {
+        "partitions": 2,
+        "supported_nodes": 17,
+        "nodes": 21,
+        "share": 0.8095,
+        "partition_sizes": [16, 1],
+        "unsupported_ops": ["ai.onnx:ArgMax", "ai.onnx:Where"],
+        "dynamic_shape_nodes": 0,
+        "verdict": "MAYBE",
+    }
+    nn = cov["coreml_neuralnetwork"]
+    assert (nn["supported_nodes"], nn["dynamic_shape_nodes"]) == (0, 21)
+    assert (nn["if_shapes_fixed"]["supported_nodes"], nn["if_shapes_fixed"]["verdict"]) == (16, "NO")
+    assert cov["coreml_mlprogram"]["supported_nodes"] == 18
+    with pytest.raises(ValueError, match="coreml_mlprogram"):
+        verify.parse_usability_report(text.split("INFO: Checking CoreML MLProgram")[0])
+
+
+def test_required_operators_config_for_a_reduced_build(full_export):
+    from onnxruntime.tools.reduced_build_config_parser import parse_config
+
+    report, out = full_export
+    ops = {}
+    configs = ("model.required_operators.config", "model.int8.required_operators.config", "required_operators.config")
+    for name in configs:
+        text = (out / name).read_text()
+        assert "/" not in text.splitlines()[0] and ".ort" in text.splitlines()[0]  # names, not temporary paths
+        required, _ = parse_config(str(out / name))
+        ops[name] = {d: {op for by_opset in v.values() for op in by_opset} for d, v in required.items()}
+    float_ops = ops["model.required_operators.config"]["ai.onnx"]
+    graph_ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert {"Conv", "Gemm", "Softmax", "ArgMax", "ReduceMax", "GatherElements", "GreaterOrEqual", "Where"} <= float_ops
+    assert float_ops <= graph_ops  # standard operators of the graph (basic optimizations fold some away)
+    int8 = ops["model.int8.required_operators.config"]
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= int8["ai.onnx"]
+    assert "QLinearConv" in int8["com.microsoft"]  # the runtime optimization's kernels, for the CPU EP
+    for domain in ("ai.onnx", "com.microsoft"):
+        union = ops["model.required_operators.config"].get(domain, set()) | int8.get(domain, set())
+        assert ops["required_operators.config"][domain] == union
+    all_ops = report.artifacts["required_operators_all"]["operators"]
+    assert all_ops["ai.onnx"] == sorted(float_ops | int8["ai.onnx"])
 
 
 def test_graph_matches_torch_for_any_batch_and_thresholds(full_export, trained_run):
@@ -197,7 +373,7 @@ def test_failed_int8_gate_fails_the_export(trained_run, tmp_path):
 
 def test_checkpoint_thresholds_and_a_group_model(trained_run, tmp_path):
     ckpt = load_checkpoint(trained_run / "checkpoints" / "last.pt")
-    tau = torch.linspace(0.2, 0.65, 10)
+    tau = torch.linspace(0.99, 0.9999, 10)  # the fitted model is ~99.5% accurate: lower ones mask nothing
     ckpt["algorithm"]["thresholds"] = tau  # FedSEAL keeps class-wise thresholds in its state
     group = {k: v.clone() for k, v in ckpt["algorithm"]["global_state"].items()}
     group["fc.bias"][3] += 100.0  # a group model that says "3" to everything
@@ -244,6 +420,10 @@ def test_cli_hooks(trained_run, tmp_path, capsys):
     bad = parser.parse_args([str(trained_run), "--out", str(tmp_path / "bad"), "--threshold", "0.5", "0.6"])
     assert ex.run_export_from_args(bad) == 1
     assert "2 values" in capsys.readouterr().err
+    assert parser.parse_args([str(trained_run)]).batch_size == 1  # the .ort files' default
+    bad = parser.parse_args([str(trained_run), "--out", str(tmp_path / "bad"), "--batch-size", "-2"])
+    assert ex.run_export_from_args(bad) == 1
+    assert "--batch-size: the .ort files' batch must be an integer >= 1 (or 0" in capsys.readouterr().err
     args = parser.parse_args(
         [
             str(trained_run / "checkpoints" / "last.pt"),
@@ -254,6 +434,8 @@ def test_cli_hooks(trained_run, tmp_path, capsys):
             "50",
             "--opset",
             "17",
+            "--batch-size",
+            "3",
         ]
     )
     assert ex.default_out_dir(args.source) == trained_run / "export"
@@ -265,6 +447,10 @@ def test_cli_hooks(trained_run, tmp_path, capsys):
     assert saved["exporter"]["opset"] == 17 and saved["exporter"]["exporter"] == "legacy"
     assert onnx.load(str(tmp_path / "ok" / "model.onnx")).opset_import[0].version == 17
     assert json.loads(saved["metadata"]["default_thresholds"]) == [0.7] * 10
+    # --batch-size 3: the .ort takes 3 images a run (50 parity images: the last run padded); the .onnx any number
+    assert make_session(tmp_path / "ok" / "model.ort").get_inputs()[0].shape == [3, 1, 8, 8]
+    assert saved["checks"]["parity_ort"]["samples"] == 50 and saved["checks"]["parity_ort"]["passed"]
+    assert saved["checks"]["mobile_usability"]["batch_size"] == 3 and saved["artifacts"]["ort"]["batch_size"] == 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,6 +513,32 @@ def test_every_registry_model_exports_with_parity(name, norm, tmp_path):
     assert report.ok and report.exporter["exporter"] == "dynamo"
     assert report.checks["parity_onnx"]["passed"] and report.checks["parity_ort"]["passed"]
     assert report.checks["onnx_checker"]["passed"]
+
+
+def test_a_dynamic_batch_ort_on_request(tmp_path):
+    """--batch-size 0: the .ort keeps the dynamic batch (and NNAPI / CoreML get nothing, as the report says)."""
+    images = np.random.default_rng(0).integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
+    report = ex.export_model(
+        _random_model("cnn28", "bn", 1, 8), tmp_path, _meta(1, 8), test_images=images, quantize=False, batch_size=0
+    )
+    sess = make_session(tmp_path / "model.ort")
+    assert isinstance(sess.get_inputs()[0].shape[0], str)
+    assert run_session(sess, images).probs.shape == (20, 10)  # one run
+    usability = report.checks["mobile_usability"]
+    assert usability["batch_size"] == "dynamic" and "onnx" not in usability
+    assert usability["coverage"]["nnapi"]["supported_nodes"] == 0
+    assert not (tmp_path / "mobile_usability.onnx.txt").exists()
+    with pytest.raises(ex.ExportError, match=r"--batch-size.*got 1.5"):
+        ex.export_model(_random_model("cnn28", "bn", 1, 8), tmp_path, _meta(1, 8), test_images=images, batch_size=1.5)
+
+
+def test_a_broken_contract_fails_the_export(tmp_path, monkeypatch):
+    """Without the baked-in default, thresholds is a required input again: the contract check says so."""
+    monkeypatch.setattr(graph, "bake_default", lambda model, name, values: None)
+    images = np.random.default_rng(0).integers(0, 256, (8, 1, 8, 8), dtype=np.uint8)
+    with pytest.raises(ex.ExportError, match=r"contract_onnx.*required inputs are \['images', 'thresholds'\]"):
+        ex.export_model(_random_model("cnn28", "gn", 1, 8), tmp_path, _meta(1, 8), test_images=images, quantize=False)
+    assert json.loads((tmp_path / "export_report.json").read_text())["failed_check"] == "contract_onnx"
 
 
 def test_a_failed_parity_check_fails_the_export(tmp_path, monkeypatch):

@@ -119,10 +119,10 @@ def test_malformed_reply_is_refused_and_the_round_goes_on(small_config, tmp_path
 
     def poison(r, w, up):
         if r == 0 and w == 1:
-            name = next(iter(up["msg"].weights))
-            up["msg"].weights[name] = torch.full_like(up["msg"].weights[name], float("nan"))
+            name = next(iter(up.msg.weights))
+            up.msg.weights[name] = torch.full_like(up.msg.weights[name], float("nan"))
         if r == 1 and w == 2:
-            up["msg"].weights["not.a.layer"] = torch.zeros(3)
+            up.msg.weights["not.a.layer"] = torch.zeros(3)
         return up
 
     res, rt, _ = run_protocol(cfg, tmp_path / "run", tamper=poison)
@@ -147,7 +147,7 @@ def test_client_exception_stops_the_run_naming_rank_and_silo(small_config, tmp_p
 
     monkeypatch.setattr(FedAvgSSL, "client_update", broken)
     cfg = small_config("train_args.comm_round=3")  # C_k = K = 4: silo k on rank k + 1
-    with pytest.raises(RunFailed, match=r"rank 3 \(silo 2\) failed in round 1: ValueError: disk on fire"):
+    with pytest.raises(RunFailed, match=r"rank 3 \(silo 2\) failed in round 2: ValueError: disk on fire"):
         run_protocol(cfg, tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "silo 2" in summary["error"]

@@ -219,7 +219,7 @@ def test_a_stalled_grpc_client_ends_the_run_in_bounded_time(tmp_path):
         client.communicate()
     assert server_code == 1, server_err[-4000:]
     summary = json.loads((cfg.run_dir() / "summary.json").read_text())
-    assert summary["status"] == "failed" and "round 1" in summary["error"] and "rank 1 (silo" in summary["error"]
+    assert summary["status"] == "failed" and "round 2" in summary["error"] and "rank 1 (silo" in summary["error"]
     assert "error:" in server_err and "rank 1 (silo" in server_err
     assert load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["round"] == 0
 

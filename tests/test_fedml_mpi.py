@@ -336,6 +336,19 @@ def dying_config(tmp: Path) -> ExperimentConfig:
     )
 
 
+SMOKE = ROOT / "configs" / "fedml" / "digits_tiny_mpi.yaml"
+
+# The shipped smoke job's final test accuracy must exceed this. Chance is 10%; the config's earlier
+# settings (3 rounds of T = 3 from a random model) ended at 24% with every client loss 0; the
+# server_only baseline of the same config (--set ssfl_args.algorithm=server_only) ends at 73.5%.
+SMOKE_FLOOR = 0.75
+
+
+def smoke_config(tmp: Path) -> ExperimentConfig:
+    """configs/fedml/digits_tiny_mpi.yaml as shipped, writing under ``tmp``."""
+    return load_config(SMOKE, [f"common_args.output_dir={tmp / 'runs'}"])
+
+
 @pytest.fixture(scope="module")
 def multi_job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mpi_registry")
@@ -344,6 +357,7 @@ def multi_job(tmp_path_factory):
         cfg = registry_config(tmp, name)
         manifest.append({"name": name, "config": str(write(cfg, tmp / f"{name}.yaml"))})
     manifest.append({"name": "stateful", "config": str(write(stateful_config(tmp), tmp / "stateful.yaml"))})
+    manifest.append({"name": "smoke", "config": str(write(smoke_config(tmp), tmp / "smoke.yaml"))})
     # the faults go last: a client that raises (the run fails, the job goes on), then a worker
     # process that dies (mpirun ends the job)
     manifest.append(
@@ -368,7 +382,7 @@ def test_every_algorithm_runs_two_rounds_under_mpirun(algorithm, multi_job):
     assert code == 0, f"{code}\n{multi_job['proc'].stderr[-4000:]}"
     run_dir = registry_config(multi_job["tmp"], algorithm).run_dir()
     rows = metrics(run_dir)
-    assert [r["round"] for r in rows] == [0, 1] and rows[-1]["test_acc"] is not None
+    assert [r["round"] for r in rows] == [1, 2] and rows[-1]["test_acc"] is not None
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["runtime"] == "fedml-MPI"
 
@@ -390,6 +404,16 @@ def test_client_state_follows_its_silo_across_workers_under_mpirun(multi_job):
     assert [r["test_acc"] for r in rows] == [r["test_acc"] for r in metrics(local.run_dir)]
 
 
+def test_the_shipped_smoke_job_learns_under_mpirun(multi_job):
+    assert multi_job["results"]["smoke"] == 0, multi_job["proc"].stderr[-4000:]
+    cfg = smoke_config(multi_job["tmp"])
+    rows = metrics(cfg.run_dir())
+    assert [r["round"] for r in rows] == list(range(1, cfg.train_args.comm_round + 1))
+    assert rows[-1]["test_acc"] > SMOKE_FLOOR, [r["test_acc"] for r in rows]
+    # the clients train: some of their samples pass tau and their loss is not 0, in every round
+    assert all(r["client_mask_rate"] > 0 and r["client_loss"] > 0 for r in rows), rows
+
+
 def check_failed_run(run_dir: Path, stderr: str) -> str:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed", summary
@@ -400,7 +424,7 @@ def check_failed_run(run_dir: Path, stderr: str) -> str:
     # the round-0 NaN reply was refused with a message, and round 0 completed without it
     assert "refused the reply of rank 1 (silo 0)" in stderr and "non-finite" in stderr, stderr[-4000:]
     rows = metrics(run_dir)
-    assert rows[0]["refused_replies"] == 1 and [r["round"] for r in rows] == [0]
+    assert rows[0]["refused_replies"] == 1 and [r["round"] for r in rows] == [1]
     kept = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert kept["round"] == 0
     state = kept["algorithm"]["global_state"]
@@ -411,14 +435,14 @@ def check_failed_run(run_dir: Path, stderr: str) -> str:
 def test_a_client_that_raises_stops_the_run_naming_rank_and_silo(multi_job):
     assert multi_job["results"]["fault_raise"] == 1  # the CLI's exit code for a failed run
     error = check_failed_run(raising_config(multi_job["tmp"]).run_dir(), multi_job["proc"].stderr)
-    assert "failed in round 1: ValueError: disk on fire" in error
+    assert "failed in round 2: ValueError: disk on fire" in error
 
 
 def test_a_worker_process_that_dies_stops_the_job(multi_job):
     # the job ended (mpirun terminated it, well within the subprocess timeout) in that run
     assert multi_job["proc"].returncode != 0 and "fault_exit" not in multi_job["results"]
     error = check_failed_run(dying_config(multi_job["tmp"]).run_dir(), multi_job["proc"].stderr)
-    assert "terminated" in error and "round 1" in error
+    assert "terminated" in error and "round 2" in error
 
 
 def test_a_stalled_worker_ends_the_job_in_bounded_time(tmp_path):
@@ -464,6 +488,7 @@ def test_an_error_on_one_rank_outside_the_run_ends_the_job(tmp_path):
     assert proc.returncode != 0, proc.stderr[-3000:]
     line = next((x for x in proc.stderr.splitlines() if "ending the MPI job" in x), "")
     assert "rank 0: RuntimeError: the server's setup failed" in line, proc.stderr[-3000:]
+    assert line.startswith("fedml-ssfl: error: ") and not cfg.run_dir().exists()  # no folder from a failed start
 
 
 # ---------------------------------------------------------------------------------------------

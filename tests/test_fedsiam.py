@@ -484,7 +484,7 @@ def test_nan_loss_names_the_client() -> None:
     algo.server_step(0)
     msg = algo.message_for(3, 0)
     msg.weights[ONLINE_PREFIX + "fc.bias"] = torch.full_like(msg.weights["fc.bias"], float("nan"))
-    with pytest.raises(NonFiniteLossError, match="round 0 on client 0"):
+    with pytest.raises(NonFiniteLossError, match="round 1 on client 0"):
         algo.client_update(msg, data, {}, ClientContext(0, CPU, 0))
 
 

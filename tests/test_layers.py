@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "fedml_ssfl.sparse",
             "fedml_ssfl.sampling",
             "fedml_ssfl.helper_selection",
+            "fedml_ssfl.client_state",
         ),
     ),
     ("training", ("fedml_ssfl.training", "fedml_ssfl.metrics", "fedml_ssfl.stacked")),
@@ -38,7 +39,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("fedml_ssfl.config", "fedml_ssfl.fedml_compat")),
     ("experiment", ("fedml_ssfl.experiment", "fedml_ssfl.checkpoint", "fedml_ssfl.tracking", "fedml_ssfl.report")),
     ("runtime", ("fedml_ssfl.runtime",)),
-    ("cli", ("fedml_ssfl.cli",)),
+    ("bench", ("fedml_ssfl.bench",)),
+    ("cli", ("fedml_ssfl.cli", "fedml_ssfl.__main__")),
 ]
 """Bottom first. An entry names a module, or a package and everything in it. The root package
 ``fedml_ssfl`` (whose ``__init__`` imports nothing) is below every layer."""

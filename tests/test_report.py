@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedml_ssfl.report import collect_runs, report_runs
+from fedml_ssfl.report import accuracy_figure, collect_runs, format_duration, report_runs
 
 
 def _fake_run(
@@ -29,7 +29,7 @@ def _fake_run(
         "ssfl_args": {"algorithm": algorithm},
     }
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    rows = [{"round": r, "bytes_up": bytes_up, "seconds": 2.0, "test_acc": a} for r, a in enumerate(accs)]
+    rows = [{"round": r, "bytes_up": bytes_up, "seconds": 2.0, "test_acc": a} for r, a in enumerate(accs, start=1)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if summary:
         (path / "summary.json").write_text(
@@ -44,6 +44,7 @@ def _fake_run(
                     "bytes_up_per_round": float(bytes_up),
                     "seconds_per_round": 2.0,
                     "rounds_completed": len(accs),
+                    "wall_seconds": 2.5 * len(accs),
                 }
             )
         )
@@ -95,3 +96,51 @@ def test_report_default_plot_path_and_errors(tmp_path: Path) -> None:
         report_runs([tmp_path / "empty"], None)
     with pytest.raises(ValueError):
         report_runs([], None)
+
+
+def test_report_table_has_runtime_and_a_readable_status_never_nan(tmp_path: Path) -> None:
+    done = _fake_run(tmp_path / "done", "semifl", [0.6, 0.8])
+    summary = json.loads((done / "summary.json").read_text())
+    (done / "summary.json").write_text(json.dumps({**summary, "wall_seconds": 125.0}))
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "config.yaml").write_text((done / "config.yaml").read_text())
+    (failed / "summary.json").write_text(json.dumps({"status": "failed", "error": "boom", "wall_seconds": 3.0}))
+    running = _fake_run(tmp_path / "running", "fedseal", [0.5], summary=False)
+    text = report_runs([done, failed, running], tmp_path / "x.png")
+    assert "nan" not in text.lower(), text
+    head, _, *rows = text.splitlines()[:5]
+    assert head.split()[-2:] == ["runtime", "status"]
+    by_dir = {line.split()[1].strip("[]"): line.split() for line in rows if "[" in line}
+    assert by_dir["done"][-2:] == ["2m05s", "completed"]
+    assert by_dir["failed"][-2:] == ["3.0s", "failed"]
+    assert by_dir["failed"][-6:-2] == ["-"] * 4  # final and best accuracy, MiB up, s/round
+    running_row = next(line.split() for line in rows if line.startswith("fedseal"))
+    assert running_row[-2:] == ["-", "running"]  # no summary.json yet: no runtime
+    assert [format_duration(s) for s in (42.0, 3727.0, float("nan"))] == ["42.0s", "1h02m", "-"]
+
+
+def test_report_plot_has_one_line_per_run_named_after_it_and_integer_rounds(tmp_path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    a = _fake_run(tmp_path / "mnist5k_semifl", "semifl", [0.6, 0.8, 0.9])
+    _fake_run(a / "compare" / "server_only", "server_only", [0.5, 0.6, 0.7])
+    b = _fake_run(tmp_path / "other", "fedseal", [0.4, 0.7, 0.75])
+    failed = tmp_path / "broken"
+    failed.mkdir()
+    (failed / "summary.json").write_text(json.dumps({"status": "failed", "algorithm": "semifl"}))
+    fig = accuracy_figure(collect_runs([a, b, failed]))
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == [
+        "mnist5k_semifl/server_only: 70.00%",
+        "mnist5k_semifl: 90.00%",
+        "other (fedseal): 75.00%",
+        "broken (semifl): failed, no evaluated round",
+    ]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
+    assert list(ax.get_lines()[1].get_xdata()) == [1, 2, 3]
+    lo, hi = ax.get_xlim()
+    ticks = [float(t) for t in ax.get_xticks() if lo <= t <= hi]
+    assert ticks and all(t.is_integer() for t in ticks), ticks

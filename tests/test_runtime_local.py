@@ -40,7 +40,7 @@ def test_run_writes_every_output(small_config, tmp_path):
     res = run_local(cfg, run_dir=tmp_path / "run")
     d = res.run_dir
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert [r["round"] for r in rows] == [1, 2, 3]  # 1-based, as in the plots and TensorBoard
     assert "test_acc" not in rows[0] and "test_acc" in rows[1] and "test_acc" in rows[2]  # every 2 + last
     assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rows)
     # bytes are the real tensor bytes: 4 clients x full float32 model each way
@@ -78,7 +78,7 @@ def test_resume_ends_with_the_uninterrupted_model(small_config, tmp_path, averag
         assert torch.equal(a["global_state"][k], b["global_state"][k]), k
     assert resumed.final_acc == full.final_acc
     rows = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
 
 
 def test_global_stream_is_seeded_per_party_and_restores_the_outer_stream():
@@ -115,7 +115,9 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(small_config, tmp_path
 def test_checkpoint_of_another_config_is_refused(small_config, tmp_path):
     res = run_local(small_config("train_args.comm_round=1"), run_dir=tmp_path / "run")
     other = small_config("train_args.comm_round=1", "train_args.learning_rate=0.5")
-    with pytest.raises(CheckpointError, match=r"train_args\.learning_rate \(0\.03 in the run, 0\.5 now\) differ"):
+    with pytest.raises(
+        CheckpointError, match=r"resume refused: .*train_args\.learning_rate \(checkpoint 0\.03, now 0\.5\)"
+    ):
         run_local(other, run_dir=res.run_dir, resume=True)
     with pytest.raises(CheckpointError, match="no checkpoint"):
         run_local(other, run_dir=tmp_path / "empty", resume=True)
@@ -131,7 +133,7 @@ def test_nan_loss_stops_naming_round_and_client_and_keeps_last_checkpoint(small_
 
     monkeypatch.setattr(FedAvgSSL, "client_update", poisoned)
     cfg = small_config("train_args.comm_round=4")
-    with pytest.raises(RunFailed, match="round 2 on client 1.*last.pt"):
+    with pytest.raises(RunFailed, match="round 3 on client 1.*last.pt"):
         run_local(cfg, run_dir=tmp_path / "run")
     kept = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert kept["round"] == 1

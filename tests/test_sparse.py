@@ -10,13 +10,11 @@ import torch
 from fedml_ssfl.algorithms.base import Message, message_nbytes, tensor_nbytes
 from fedml_ssfl.sparse import (
     densify,
-    densify_dict,
     density,
     hard_threshold,
     nbytes,
     num_values,
     sparsify,
-    sparsify_dict,
 )
 
 
@@ -80,9 +78,8 @@ def test_non_finite_entries_are_kept_not_dropped() -> None:
 def test_dict_helpers_message_bytes_and_pickling() -> None:
     thr = 1e-5
     deltas = {"conv.weight": _mixed_delta((8, 4, 3, 3), threshold=thr), "fc.bias": _mixed_delta((10,), threshold=thr)}
-    wire = sparsify_dict(deltas, thr, prefix="psi/")
-    assert set(wire) == {"psi/conv.weight", "psi/fc.bias"}
-    back = densify_dict({**wire, "other": torch.ones(3)}, {k: v.shape for k, v in deltas.items()}, prefix="psi/")
+    wire = {f"psi/{k}": sparsify(v, thr) for k, v in deltas.items()}
+    back = {k: densify(wire[f"psi/{k}"], v.shape) for k, v in deltas.items()}
     assert set(back) == set(deltas)
     for k, v in deltas.items():
         assert float((back[k] - v).abs().max()) < thr

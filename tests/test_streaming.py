@@ -147,6 +147,7 @@ def test_streaming_resume_ends_with_the_uninterrupted_model(small_config, tmp_pa
 
 
 def test_fedml_worker_sees_the_same_released_stages(small_config, monkeypatch) -> None:
+    from fedml_ssfl.runtime.fedml.protocol import Reply, Task
     from fedml_ssfl.runtime.fedml.worker import ClientWorker
 
     cfg = small_config(*STREAM)
@@ -160,7 +161,7 @@ def test_fedml_worker_sees_the_same_released_stages(small_config, monkeypatch) -
     monkeypatch.setattr(FedAvgSSL, "client_update", spy)
     worker = ClientWorker(exp, rank=1)
     for r, k in [(0, 1), (3, 1), (4, 2)]:
-        up = worker.handle({"round": r, "silo": k, "state": {}, "state_tag": r - 1, "msg": None, "upload": []})
-        assert up["kind"] == "reply", up.get("error")
+        up = worker.handle(Task(round=r, silo=k, rank=1, state={}, state_tag=r - 1))
+        assert isinstance(up, Reply), getattr(up, "error", None)
         assert torch.equal(seen[(r, k)], exp.split.unlabeled_at(k, r))
     assert len(seen[(0, 1)]) < len(seen[(3, 1)])

@@ -131,3 +131,46 @@ def test_fedml_messages_round_trip_with_their_class():
     with pytest.raises(WireError, match="tag 'F'"):
         wire.loads(dumps(msg))  # without FedML's class nothing of FedML's is built
     assert os.environ.get(wire.MAX_MESSAGE_ENV) is None
+
+
+def test_protocol_records_round_trip_and_bad_fields_are_refused():
+    from fedml_ssfl.runtime.fedml.protocol import Failure, Finish, Intro, Reply, Task
+
+    meta = SiloMeta(
+        num_classes=2, class_names=["a", "b"], in_channels=1, image_size=8, mean=(0.5,), std=(0.2,), flip=False
+    )
+    task = Task(
+        3,
+        1,
+        2,
+        msg=Message(weights={"w": torch.ones(2)}),
+        state={"m": torch.zeros(1)},
+        state_tag=2,
+        upload=[1],
+        drop=[4],
+        checkpoint=True,
+        intro=Intro(meta, "run", 2),
+    )
+    back = wire.loads(wire.dumps(task))
+    assert isinstance(back, Task) and back.intro.meta == meta and back.upload == [1] and back.drop == [4]
+    assert torch.equal(back.msg.weights["w"], task.msg.weights["w"]) and back.checkpoint is True
+    reply = Reply(3, 1, 2, msg=Message(num_samples=5), states={1: (3, {"m": torch.ones(1)})})
+    back = wire.loads(wire.dumps(reply))
+    assert isinstance(back, Reply) and back.states[1][0] == 3 and torch.equal(back.states[1][1]["m"], torch.ones(1))
+    assert wire.loads(wire.dumps(Failure(3, 1, 2, "boom"))).describe() == "rank 2 (silo 1) failed in round 4: boom"
+    assert isinstance(wire.loads(wire.dumps(Finish())), Finish)
+
+    def forged(name, fields):
+        return _frame({"v": {"R": [name, fields]}, "b": []})
+
+    good = {"round": 1, "silo": 0, "rank": 1, "trained": True, "msg": None, "states": {"d": {}}}
+    for name, fields, reason in [
+        ("Pwned", {}, "not a protocol record"),
+        ("Reply", {**good, "round": "1"}, "Reply.round must be an integer"),
+        ("Reply", {**good, "extra": 1}, "needs the fields"),
+        ("Reply", {k: v for k, v in good.items() if k != "rank"}, "needs the fields"),
+        ("Reply", {**good, "states": {"p": [[1, {"d": {}}]]}}, "round, state dict"),
+    ]:
+        with pytest.raises(WireError, match=reason):
+            wire.loads(forged(name, fields))
+    assert isinstance(wire.loads(forged("Reply", good)), Reply)

@@ -12,7 +12,7 @@ from .base import (
     TrainSettings,
     message_nbytes,
 )
-from .registry import available_algorithms, create, get_algorithm, register_algorithm
+from .registry import algorithm_description, available_algorithms, create, get_algorithm, register_algorithm
 
 __all__ = [
     "Algorithm",
@@ -24,6 +24,7 @@ __all__ = [
     "NonFiniteLossError",
     "ServerData",
     "TrainSettings",
+    "algorithm_description",
     "available_algorithms",
     "create",
     "get_algorithm",

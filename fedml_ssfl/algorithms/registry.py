@@ -60,6 +60,18 @@ def get_algorithm(name: str) -> type[Algorithm]:
     return _REGISTRY[name]
 
 
+def algorithm_description(name: str) -> str:
+    """One line saying what algorithm ``name`` is: the first line of its class docstring ('' if none).
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (as :func:`get_algorithm`).
+    """
+    lines = (get_algorithm(name).__doc__ or "").strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 def create(name: str, **kwargs) -> Algorithm:
     """Instantiate algorithm ``name`` with the :class:`Algorithm` constructor arguments."""
     return get_algorithm(name)(**kwargs)

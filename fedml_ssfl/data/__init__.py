@@ -16,6 +16,7 @@ _EXPORTS = {
     "weak_augment": "augment",
     "ImageDataset": "datasets",
     "available_datasets": "datasets",
+    "dataset_description": "datasets",
     "load_dataset": "datasets",
     "register_dataset": "datasets",
     "DataFormatError": "local_files",

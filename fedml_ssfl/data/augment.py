@@ -218,15 +218,23 @@ def _equalize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch
     """Histogram equalisation per sample and channel of the 8-bit quantised image.
 
     Approximation of PIL's ``ImageOps.equalize``: each grey level v maps to the normalised CDF
-    ``(cdf(v) - cdf_min) / (total - cdf_min)`` rather than PIL's step-based table. The CDF is read
-    off the sorted pixels with ``searchsorted`` (deterministic on GPU, unlike scatter-based
-    histograms). A single-valued channel is left unchanged.
+    ``(cdf(v) - cdf_min) / (total - cdf_min)`` rather than PIL's step-based table. The CDF counts
+    (integers, so both ways give the same numbers) come from a 256-bin histogram on the CPU and
+    from the sorted pixels with ``searchsorted`` elsewhere (deterministic on GPU, unlike
+    scatter-based histograms). A single-valued channel is left unchanged.
     """
     m, c, h, w = x.shape
     q = (x * 255.0).round().clamp_(0.0, 255.0).reshape(m * c, h * w).contiguous()
-    ordered, _ = torch.sort(q, dim=1)
-    cdf = torch.searchsorted(ordered, q, right=True).to(x.dtype)
-    cdf_min = torch.searchsorted(ordered, ordered[:, :1].contiguous(), right=True).to(x.dtype)
+    if x.device.type == "cpu":
+        levels = q.long()
+        rows = torch.arange(m * c).view(-1, 1) * 256
+        table = torch.bincount((levels + rows).view(-1), minlength=m * c * 256).view(m * c, 256).cumsum_(dim=1)
+        cdf = table.gather(1, levels).to(x.dtype)
+        cdf_min = table.gather(1, levels.amin(dim=1, keepdim=True)).to(x.dtype)
+    else:
+        ordered, _ = torch.sort(q, dim=1)
+        cdf = torch.searchsorted(ordered, q, right=True).to(x.dtype)
+        cdf_min = torch.searchsorted(ordered, ordered[:, :1].contiguous(), right=True).to(x.dtype)
     span = h * w - cdf_min
     out = ((cdf - cdf_min) / span.clamp_min(1.0)).view(m, c, h, w)
     return torch.where(span.view(m, c, 1, 1) > 0, out, x)
@@ -266,36 +274,66 @@ def _eye(m: int) -> torch.Tensor:
     return torch.eye(2, 3).repeat(m, 1, 1)
 
 
-def _rotate(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+def _rotate_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
     angle = torch.deg2rad(sign * _MAX_ROTATE_DEG * level)
     theta = _eye(len(level))
     theta[:, 0, 0], theta[:, 0, 1] = torch.cos(angle), -torch.sin(angle)
     theta[:, 1, 0], theta[:, 1, 1] = torch.sin(angle), torch.cos(angle)
-    return _affine(x, theta)
+    return theta
+
+
+def _shear_x_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 0, 1] = sign * _MAX_SHEAR * level
+    return theta
+
+
+def _shear_y_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 1, 0] = sign * _MAX_SHEAR * level
+    return theta
+
+
+def _translate_x_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 0, 2] = 2.0 * sign * _MAX_TRANSLATE * level
+    return theta
+
+
+def _translate_y_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    theta = _eye(len(level))
+    theta[:, 1, 2] = 2.0 * sign * _MAX_TRANSLATE * level
+    return theta
+
+
+_THETAS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "Rotate": _rotate_theta,
+    "ShearX": _shear_x_theta,
+    "ShearY": _shear_y_theta,
+    "TranslateX": _translate_x_theta,
+    "TranslateY": _translate_y_theta,
+}
+"""The geometric ops as per-sample 2x3 matrices (CPU): one warp applies any mix of them to a batch."""
+
+
+def _rotate(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    return _affine(x, _rotate_theta(level, sign))
 
 
 def _shear_x(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 0, 1] = sign * _MAX_SHEAR * level
-    return _affine(x, theta)
+    return _affine(x, _shear_x_theta(level, sign))
 
 
 def _shear_y(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 1, 0] = sign * _MAX_SHEAR * level
-    return _affine(x, theta)
+    return _affine(x, _shear_y_theta(level, sign))
 
 
 def _translate_x(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 0, 2] = 2.0 * sign * _MAX_TRANSLATE * level
-    return _affine(x, theta)
+    return _affine(x, _translate_x_theta(level, sign))
 
 
 def _translate_y(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 1, 2] = 2.0 * sign * _MAX_TRANSLATE * level
-    return _affine(x, theta)
+    return _affine(x, _translate_y_theta(level, sign))
 
 
 _Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -318,7 +356,8 @@ _OPS: dict[str, _Op] = {
 }
 
 # geometric ops take their parameters on the CPU (they build matrices there); the rest on x's device
-_GEOMETRIC = {"Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY"}
+_GEOMETRIC = set(_THETAS)
+_IDENTITY = OP_NAMES.index("Identity")
 
 
 def apply_op(x: torch.Tensor, op_id: int, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
@@ -488,12 +527,26 @@ def strong_augment(
     side = default_cutout(h) if cutout is None else cutout
     sides, centres = _sample_cutout(n, h, w, side, generator)
     x = x.clone()
+    op_rows, applied_rows = ops.tolist(), applied.tolist()
     for slot in range(num_ops):
-        for op_id in torch.unique(ops[:, slot]).tolist():
-            sel = (ops[:, slot] == op_id) & applied[:, slot]
-            if OP_NAMES[op_id] == "Identity" or not bool(sel.any()):
+        # the samples each op applies to in this slot (one op per sample: the groups are disjoint)
+        groups: dict[int, list[int]] = {}
+        for i in range(n):
+            if applied_rows[i][slot] and op_rows[i][slot] != _IDENTITY:
+                groups.setdefault(op_rows[i][slot], []).append(i)
+        warp: list[tuple[list[int], torch.Tensor]] = []
+        for op_id, members in sorted(groups.items()):
+            idx = torch.tensor(members)
+            name = OP_NAMES[op_id]
+            if name in _THETAS:  # geometric: its matrices join the slot's one warp
+                warp.append((members, _THETAS[name](levels[idx, slot], signs[idx, slot])))
                 continue
-            dev_sel = sel.to(x.device)
-            x[dev_sel] = apply_op(x[dev_sel], op_id, levels[sel, slot], signs[sel, slot])
+            dev_idx = idx.to(x.device)
+            # x[idx] keeps x's strides (index_select would not), and the sharpness blur's conv2d rounds
+            # differently in another memory layout
+            x[dev_idx] = apply_op(x[dev_idx], op_id, levels[idx, slot], signs[idx, slot])
+        if warp:
+            dev_idx = torch.tensor([i for members, _ in warp for i in members]).to(x.device)
+            x[dev_idx] = _affine(x[dev_idx], torch.cat([theta for _, theta in warp])).clamp_(0.0, 1.0)
     out = apply_cutout(x, sides, centres).clamp_(0.0, 1.0) if side > 0 else x.clamp_(0.0, 1.0)
     return (out, torch.where(applied, ops, -1)) if return_ops else out

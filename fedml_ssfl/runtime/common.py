@@ -17,9 +17,13 @@ the same outputs for the same config.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,8 @@ from typing import Any
 from .. import seeding
 from ..algorithms.base import Message, message_nbytes
 from ..atomic import folder_error, make_folder
-from ..checkpoint import save_checkpoint
+from ..checkpoint import CheckpointError, save_checkpoint
+from ..client_state import STATES_DIR, ClientStateError, client_state_payload, open_client_states, prune_state_files
 from ..config import ConfigError, ExperimentConfig, save_config
 from ..experiment import Experiment
 from ..metrics import evaluate
@@ -91,6 +96,46 @@ def fresh_run_dir(base: Path) -> Path:
         return candidate
 
 
+def discard_unwritten(run_dir: Path | None) -> bool:
+    """Remove ``run_dir``, a folder this run claimed, if the run wrote nothing into it yet.
+
+    A run that stops before its first output (the data cannot be loaded, the model cannot be built, the
+    device is missing, the algorithm's setup raises) leaves no folder behind, so failed attempts do not
+    leave ``-2``, ``-3`` ... folders. Only a folder holding nothing but the claim file is removed.
+
+    Returns
+    -------
+    bool
+        Whether the folder was removed.
+    """
+    if run_dir is None:
+        return False
+    try:
+        if [p.name for p in run_dir.iterdir()] != [CLAIM_NAME]:
+            return False
+        (run_dir / CLAIM_NAME).unlink()
+        run_dir.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def run_folder(base: Path, resume: bool) -> Iterator[Path]:
+    """The run's folder for the ``with`` block: ``base`` when resuming, else a new one (:func:`fresh_run_dir`).
+
+    A new folder is removed again when the block raises before anything was written into it
+    (:func:`discard_unwritten`); a resumed run's folder is never touched.
+    """
+    run_dir = base if resume else fresh_run_dir(base)
+    try:
+        yield run_dir
+    except BaseException:
+        if not resume:
+            discard_unwritten(run_dir)
+        raise
+
+
 def _output_dir_error(run_dir: Path, exc: OSError) -> ConfigError:
     """The one-line refusal of a run folder that cannot be made (``exc`` from :func:`.atomic.folder_error`)."""
     return ConfigError(
@@ -107,6 +152,56 @@ def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:
             if isinstance(v, (int, float)) and math.isfinite(v):
                 sums.setdefault(k, []).append(float(v))
     return {f"client_{k}": sum(v) / len(v) for k, v in sums.items()}
+
+
+SPILL_PREFIX = ".client_states-"
+"""The name prefix of a run's spill folder (in the run folder, or in ``device_args.state_spill_dir``)."""
+
+
+def run_client_states(
+    cfg: ExperimentConfig, run_dir: Path, resume_state: dict[str, Any] | None
+) -> MutableMapping[int, dict]:
+    """Every client's persistent state for a run: a dict, or under ``device_args.state_memory_mb`` a store.
+
+    With a budget, states beyond it spill into a folder of this run's own made in
+    ``device_args.state_spill_dir`` (default: the run folder, where spill folders a killed run left
+    are removed first); :func:`..client_state.close_client_states` removes it at the end.
+
+    Raises
+    ------
+    CheckpointError
+        A state file the resumed checkpoint names is missing or damaged (names the file).
+    ConfigError
+        The spill folder cannot be made (names ``device_args.state_spill_dir`` and the fix).
+    """
+    d = cfg.device_args
+    budget = int(d.state_memory_mb * 2**20) if d.state_memory_mb > 0 else None
+    spill = None
+    if budget is not None:
+        root = Path(d.state_spill_dir).expanduser() if d.state_spill_dir else Path(run_dir)
+        try:
+            if not d.state_spill_dir:
+                for stale in Path(run_dir).glob(SPILL_PREFIX + "*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            make_folder(root)
+            spill = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{Path(run_dir).name}-", dir=root))
+        except OSError as exc:
+            raise ConfigError(
+                f"device_args.state_spill_dir: cannot make a spill folder in {root}: {exc}; "
+                "set it to a writable folder, or device_args.state_memory_mb to 0 to keep every state in memory"
+            ) from None
+    try:
+        return open_client_states(
+            range(cfg.train_args.client_num_in_total),
+            budget,
+            spill,
+            resume_state,
+            Path(run_dir) / "checkpoints" / STATES_DIR,
+        )
+    except ClientStateError as exc:
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
+        raise CheckpointError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +248,7 @@ def finish_round(
         metrics = algo.aggregate(replies, r)
     train = algo.train
     return {
-        "round": r,
+        "round": r + 1,  # 1-based, as in the plots and TensorBoard (round 1 is the first)
         "clients": len(start.chosen),
         "bytes_up": bytes_up,
         "bytes_down": start.bytes_down,
@@ -196,6 +291,9 @@ class RunRecorder:
         A loaded checkpoint to continue from (the algorithm state is restored here).
     totals_keys : tuple of str
         Row keys summed over the run (and kept in checkpoints).
+    started : float, optional
+        ``time.perf_counter()`` when the run started (default: now); ``wall_seconds`` in
+        summary.json counts from there (plus the wall seconds of the sessions before a resume).
     """
 
     def __init__(
@@ -205,8 +303,11 @@ class RunRecorder:
         run_dir: Path,
         resume_state: dict[str, Any] | None = None,
         totals_keys: tuple[str, ...] = ("bytes_up", "bytes_down", "seconds"),
+        started: float | None = None,
     ) -> None:
         self.cfg, self.exp, self.run_dir = cfg, exp, Path(run_dir)
+        self.started = time.perf_counter() if started is None else started
+        self.wall_before = float((resume_state or {}).get("wall_seconds", 0.0))
         self.ckpt_path = self.run_dir / "checkpoints" / CHECKPOINT_NAME
         self.totals: dict[str, float] = {k: 0.0 if k == "seconds" else 0 for k in totals_keys}
         self.start = 0
@@ -219,8 +320,9 @@ class RunRecorder:
             self.tracker = RunTracker(
                 self.run_dir,
                 cfg.tracking_args.enable_tensorboard,
-                resume_round=self.start - 1 if resume_state is not None else None,
+                resume_after=self.start if resume_state is not None else None,
             )
+            self.tracker.log_config(cfg.to_dict())
         except OSError as exc:
             raise self.write_failed("at the start of the run", exc) from None
         self.measured_r = exp.split.measured_r(exp.dataset.train_labels)
@@ -228,7 +330,7 @@ class RunRecorder:
         self.best = max(evals, default=float("nan"))
         self.last_acc = evals[-1] if evals else float("nan")
 
-    def record(self, r: int, row: dict[str, Any], end: int, client_states: dict[int, dict]) -> float | None:
+    def record(self, r: int, row: dict[str, Any], end: int, client_states: MutableMapping[int, dict]) -> float | None:
         """Close round ``r``: totals, ``finalize`` after the last round, evaluation, log, checkpoint.
 
         Returns the test accuracy when the round was evaluated, else None.
@@ -263,20 +365,29 @@ class RunRecorder:
             self._check_run_dir()
             self.tracker.log_round(row)
             if is_checkpoint_round(cfg, r, end):
+                states_dir = self.ckpt_path.parent / STATES_DIR
+                states = client_state_payload(client_states, states_dir)  # spilled states: files in states_dir
                 save_checkpoint(
                     self.ckpt_path,
                     {
                         "round": r,
                         "fingerprint": cfg.fingerprint(),
+                        "config": cfg.to_dict(),  # a refused resume names the keys that differ from it
                         "algorithm_name": cfg.algorithm,
                         "algorithm": algo.state_dict(),
-                        "client_states": client_states,
+                        **states,
                         "totals": self.totals,
+                        "wall_seconds": self.wall_seconds(),
                     },
                 )
+                prune_state_files(states_dir, states)  # files only the previous checkpoint named
         except OSError as exc:
-            raise self.write_failed(f"round {r}", exc) from None
+            raise self.write_failed(f"round {r + 1}", exc) from None
         return acc
+
+    def wall_seconds(self) -> float:
+        """Wall-clock seconds of the run so far, over all its sessions (resumes add up)."""
+        return self.wall_before + time.perf_counter() - self.started
 
     def _run_dir_lost(self) -> str:
         """How the run folder went away during the run ("" while it is a folder)."""
@@ -322,7 +433,15 @@ class RunRecorder:
         """
         try:
             self._check_run_dir()
-            self.tracker.write_summary({"status": "failed", "error": str(error), "run_dir": str(self.run_dir)})
+            self.tracker.write_summary(
+                {
+                    "status": "failed",
+                    "error": str(error),
+                    "run_dir": str(self.run_dir),
+                    "rounds_completed": len(self.tracker.rows),
+                    "wall_seconds": self.wall_seconds(),
+                }
+            )
         except OSError as exc:
             return RunFailed(f"{error} (summary.json was not written: {exc})")
         kept = self.ckpt_path if self.ckpt_path.exists() else "none yet"
@@ -350,6 +469,7 @@ class RunRecorder:
             "bytes_down_per_round": totals["bytes_down"] / max(done, 1),
             "seconds_total": totals["seconds"],
             "seconds_per_round": totals["seconds"] / max(done, 1),
+            "wall_seconds": self.wall_seconds(),
             "measured_non_iid_r": self.measured_r,
             "config_fingerprint": cfg.fingerprint(),
             "run_dir": str(self.run_dir),
@@ -358,8 +478,9 @@ class RunRecorder:
         try:
             self._check_run_dir()
             if self.tracker.rows:
-                self.tracker.plot()
+                self.tracker.plot(label=cfg.algorithm)
             self.tracker.write_summary(summary)
+            self.tracker.write_hparams(cfg.to_dict(), summary)
         except OSError as exc:
             raise self.write_failed("at the end of the run", exc) from None
         return RunResult(

@@ -15,6 +15,8 @@ with the FedML runtime.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from tqdm.auto import tqdm
 from .. import seeding
 from ..algorithms.base import ClientContext, Message, NonFiniteLossError, message_nbytes
 from ..checkpoint import load_checkpoint
+from ..client_state import ClientStateError, close_client_states
 from ..config import ExperimentConfig
 from ..data import ImageDataset
 from ..experiment import Experiment, build_experiment
@@ -34,6 +37,8 @@ from .common import (
     finish_round,
     fresh_run_dir,
     mean_client_metrics,
+    run_client_states,
+    run_folder,
     start_round,
 )
 
@@ -65,7 +70,8 @@ def run_local(
         A validated config.
     run_dir : path, optional
         Output folder; default ``output_dir/run_name`` (suffixed ``-2``, ``-3`` ... when taken,
-        unless resuming).
+        unless resuming). A new folder is removed again if the run fails before writing into it
+        (data, model, device or setup errors).
     resume : bool
         Continue from ``run_dir/checkpoints/last.pt``. A corrupt or mismatched checkpoint is
         refused (and left untouched).
@@ -78,20 +84,31 @@ def run_local(
     -------
     RunResult
     """
+    started = time.perf_counter()  # summary.json's wall_seconds count from here
     base = Path(run_dir) if run_dir is not None else cfg.run_dir()
-    run_dir = base if resume else fresh_run_dir(base)
+    with run_folder(base, resume) as folder:  # a new folder the run wrote nothing into is removed on an error
+        return _run_in(folder, cfg, resume, dataset, stop_after, started)
+
+
+def _run_in(
+    run_dir: Path,
+    cfg: ExperimentConfig,
+    resume: bool,
+    dataset: ImageDataset | None,
+    stop_after: int | None,
+    started: float,
+) -> RunResult:
+    """:func:`run_local`'s body, in its claimed (or resumed) ``run_dir``; ``started``: the run's start time."""
     ckpt_path = run_dir / "checkpoints" / CHECKPOINT_NAME
     state = load_checkpoint(ckpt_path, cfg.fingerprint(), cfg.to_dict()) if resume else None
 
     exp = build_experiment(cfg, dataset)
     algo = exp.algorithm
     algo.setup()
-    K = cfg.train_args.client_num_in_total
-    client_states: dict[int, dict] = {k: {} for k in range(K)}
+    client_states = run_client_states(cfg, run_dir, state)  # a dict, or a store under device_args.state_memory_mb
     if state is not None:
-        client_states = state["client_states"]
-        log.info("resuming %s after round %d", run_dir, state["round"])
-    rec = RunRecorder(cfg, exp, run_dir, resume_state=state)
+        log.info("resuming %s after round %d", run_dir, state["round"] + 1)
+    rec = RunRecorder(cfg, exp, run_dir, resume_state=state, started=started)
     start = rec.start
 
     rounds = cfg.train_args.comm_round
@@ -113,15 +130,16 @@ def run_local(
             acc = rec.record(r, row, end, client_states)
             if acc is not None:
                 bar.set_postfix(acc=f"{100 * acc:.2f}%")
-    except NonFiniteLossError as exc:
+    except (NonFiniteLossError, ClientStateError) as exc:
         raise rec.fail(exc) from exc
     finally:
         bar.close()
         rec.close()
+        close_client_states(client_states)
     return rec.result(status)
 
 
-def run_round(exp: Experiment, r: int, client_states: dict[int, dict]) -> dict[str, Any]:
+def run_round(exp: Experiment, r: int, client_states: MutableMapping[int, dict]) -> dict[str, Any]:
     """One federated round; returns its metrics row (without test accuracy).
 
     The chosen clients train one after another, or together (``train_args.stack_clients``:

@@ -45,15 +45,24 @@ from fedml.cross_silo.server.message_define import MyMessage
 from ...config import ConfigError, ExperimentConfig, load_config
 from ...experiment import build_experiment, deployed
 from ..common import RunResult, fresh_run_dir
-from . import wire
 from .launch import _fedml_offline, _with_device, check_server_counts, grpc_rank, mpi_rank, worker_count
 from .payloads import decode, encode
+from .protocol import Finish
 from .server import DeployedServerRuntime, ServerRuntime
 from .wire import WireMeter
 from .worker import SiloWorker
 
 DOWN_TYPES = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
 UP_TYPES = (MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER,)
+UPLOAD_KEY = "ssfl"
+"""A worker's upload rides in ``{UPLOAD_KEY: Reply | Failure}``: FedML's server treats a model upload
+that is not a dict as a state dict to move to its device."""
+
+
+def unwrap(upload: Any) -> Any:
+    """The protocol record inside a worker's upload (the upload itself when it is not wrapped)."""
+    return upload.get(UPLOAD_KEY, upload) if isinstance(upload, dict) else upload
+
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +89,8 @@ class SSFLAggregator(ServerAggregator):
 
     def __init__(self, model, args, runtime: ServerRuntime | None = None, meter: WireMeter | None = None):
         super().__init__(model, args)
-        self._runtime, self.meter = runtime, meter
+        self._runtime = runtime
+        self.meter = meter if meter is not None else getattr(args, "ssfl_meter", None)
         self.owns_runtime = runtime is None  # then nobody else ends the run: this object writes the summary
         self._marks = (0, 0)
         self.result: RunResult | None = None
@@ -93,7 +103,7 @@ class SSFLAggregator(ServerAggregator):
 
     def _payloads(self) -> dict[int, Any]:
         if self.runtime.done:
-            return {k: {"kind": "finish"} for k in self.runtime.routing()}
+            return {k: Finish() for k in self.runtime.routing()}
         payloads = self.runtime.begin_round()
         if self.meter is not None:
             self._marks = (self.meter.total(self.meter.sent, DOWN_TYPES), self.meter.total(self.meter.recv, UP_TYPES))
@@ -109,7 +119,7 @@ class SSFLAggregator(ServerAggregator):
         return raw_client_model_or_grad_list, list(range(len(raw_client_model_or_grad_list)))
 
     def aggregate(self, raw_client_model_or_grad_list):
-        uploads = [decode(p) for _, p in raw_client_model_or_grad_list]
+        uploads = [decode(unwrap(p)) for _, p in raw_client_model_or_grad_list]
         wire = {}
         if self.meter is not None:
             wire = {
@@ -166,7 +176,7 @@ class SSFLTrainer(ClientTrainer):
         pass  # a silo reads its own file; a simulation worker is told its silo by the payload
 
     def train(self, train_data, device, args):
-        self.upload = encode(self.worker.handle(decode(self.payload)))
+        self.upload = {UPLOAD_KEY: encode(self.worker.handle(decode(self.payload)))}
 
     def test(self, test_data, device, args):
         pass
@@ -237,7 +247,8 @@ def init(args=None) -> SimpleNamespace:
             from fedml.core.distributed.communication.message import Message as FedMessage
             from mpi4py import MPI
 
-            MPI.pickle.__init__(*wire.codec(FedMessage))  # FedML's MPI messages through the codec, not pickle
+            meter = WireMeter(FedMessage)  # FedML's MPI messages through the codec, not pickle, counted
+            MPI.pickle.__init__(meter.dumps, meter.loads)
         else:
             if not cfg.comm_args.insecure:
                 raise ConfigError(
@@ -268,6 +279,8 @@ def init(args=None) -> SimpleNamespace:
         with contextlib.redirect_stdout(io.StringIO()):
             args = fedml.init(args, check_env=False, should_init_logs=False)
         args.ssfl_config = cfg
+        if cfg.comm_args.backend == "MPI":
+            args.ssfl_meter = meter  # the aggregator records each round's wire bytes from it
         return args
 
 

@@ -19,7 +19,9 @@ from fedml.cross_silo.server.fedml_aggregator import FedMLAggregator
 from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
 from fedml.cross_silo.server.message_define import MyMessage
 
-from .hooks import SSFLAggregator
+from ...errors import error_line
+from .hooks import SSFLAggregator, unwrap
+from .protocol import Failure, Finish
 from .security import (
     membership_diff,
     proof,
@@ -35,7 +37,7 @@ MEMBERSHIP, PROOF, REFUSED = "ssfl_membership", "ssfl_proof", "ssfl_refused"
 
 
 def is_finish(payload: Any) -> bool:
-    return isinstance(payload, dict) and payload.get("kind") == "finish"
+    return isinstance(payload, Finish)
 
 
 class SSFLSiloAggregator(FedMLAggregator):
@@ -128,8 +130,8 @@ class SSFLServerManager(FedMLServerManager):
             return
         payload = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
         sender = int(msg_params.get_sender_id())
-        if isinstance(payload, dict) and payload.get("kind") == "error":
-            self.fail(self.runtime.client_error(payload))
+        if isinstance(unwrap(payload), Failure):
+            self.fail(self.runtime.client_error(unwrap(payload)))
             return
         self.runtime.received(sender)
         try:
@@ -163,7 +165,7 @@ class SSFLServerManager(FedMLServerManager):
             silo = silos[error.receiver - 1] if 1 <= error.receiver <= len(silos) else "?"
             self.dead.add(error.receiver)
             error = (
-                f"round {self.runtime.round}: rank {error.receiver} (silo {silo}) is unreachable at "
+                f"round {self.runtime.round + 1}: rank {error.receiver} (silo {silo}) is unreachable at "
                 f"{error.address} ({error.code}); its process died or lost the network"
             )
         self.failing, self.fail_time = True, time.monotonic()
@@ -191,7 +193,7 @@ class SSFLServerManager(FedMLServerManager):
         """Workers did not acknowledge the stop in time: end without waiting for them."""
         failure = self.runtime.failure
         if self.backend == "MPI":
-            sys.stderr.write(f"fedml-ssfl run: error: {failure}\n")
+            sys.stderr.write(error_line(str(failure)) + "\n")
             sys.stderr.flush()
             from mpi4py import MPI
 
@@ -237,7 +239,7 @@ class SSFLServerManager(FedMLServerManager):
                 reported = True
                 self._inject(
                     action="fail",
-                    reason=f"round {rt.round}: no reply within {limits.round:.0f} s (FEDML_SSFL_ROUND_TIMEOUT) "
+                    reason=f"round {rt.round + 1}: no reply within {limits.round:.0f} s (FEDML_SSFL_ROUND_TIMEOUT) "
                     f"from {rt.describe(waiting)}",
                     dead=sorted(waiting),
                 )
@@ -254,7 +256,7 @@ class SSFLServerManager(FedMLServerManager):
                         reported = True
                         self._inject(
                             action="fail",
-                            reason=f"round {rt.round}: rank {rank} (silo {silo}) is unreachable at "
+                            reason=f"round {rt.round + 1}: rank {rank} (silo {silo}) is unreachable at "
                             f"{m.grpc_server_ip}:{m.grpc_server_port}; its process died or lost the network",
                             dead=[rank],
                         )
@@ -266,10 +268,10 @@ class SSFLServerManager(FedMLServerManager):
         if self.runtime.failure is None:
             who = self.runtime.describe(waiting) if waiting else "no worker"
             self.runtime.fail(
-                f"the job was terminated (signal {signum}) in round {self.runtime.round} while the server "
+                f"the job was terminated (signal {signum}) in round {self.runtime.round + 1} while the server "
                 f"waited for {who}; a worker process died (the launcher's message names its rank)"
             )
-        sys.stderr.write(f"fedml-ssfl run: error: {self.runtime.failure}\n")
+        sys.stderr.write(error_line(str(self.runtime.failure)) + "\n")
         sys.stderr.flush()
         os._exit(1)
 
@@ -357,6 +359,6 @@ class SSFLClientManager(ClientMasterManager):
                     m = self.com_manager.grpc_mappings[0]
                     reason = f"the server (rank 0) at {m.grpc_server_ip}:{m.grpc_server_port} is unreachable"
             if reason:
-                sys.stderr.write(f"fedml-ssfl run: error: rank {self.rank}: {reason}; stopping\n")
+                sys.stderr.write(error_line(f"rank {self.rank}: {reason}; stopping") + "\n")
                 sys.stderr.flush()
                 os._exit(1)

@@ -10,10 +10,13 @@ import numpy as np
 import torch
 
 from ...algorithms.base import Message, message_nbytes
+from .protocol import RECORDS, fields_of
 from .wire import WireArray
 
 log = logging.getLogger(__name__)
 
+
+_RECORDS = frozenset(RECORDS.values())
 
 _NUMPY_DTYPES = {
     torch.float64,
@@ -31,13 +34,16 @@ _NUMPY_DTYPES = {
 
 
 def encode(obj: Any) -> Any:
-    """Replace dense CPU-able tensors inside dicts / lists / tuples / Messages by :class:`WireArray`."""
+    """Replace dense CPU-able tensors inside dicts / lists / tuples / Messages / protocol records by
+    :class:`WireArray`."""
     if isinstance(obj, torch.Tensor):
         if obj.layout == torch.strided and obj.dtype in _NUMPY_DTYPES:
             return WireArray(obj.detach().cpu().numpy())
         return obj  # sparse, bfloat16, ...: torch's own pickling
     if isinstance(obj, Message):
         return Message(weights=encode(obj.weights), extras=encode(obj.extras), num_samples=obj.num_samples)
+    if type(obj) in _RECORDS:
+        return type(obj)(**{k: encode(v) for k, v in fields_of(obj).items()})
     if type(obj) in (dict, OrderedDict):
         return type(obj)((k, encode(v)) for k, v in obj.items())
     if type(obj) in (list, tuple):
@@ -52,6 +58,8 @@ def decode(obj: Any) -> Any:
         return torch.from_numpy(array if array.flags.c_contiguous else np.ascontiguousarray(array))
     if isinstance(obj, Message):
         return Message(weights=decode(obj.weights), extras=decode(obj.extras), num_samples=obj.num_samples)
+    if type(obj) in _RECORDS:
+        return type(obj)(**{k: decode(v) for k, v in fields_of(obj).items()})
     if type(obj) in (dict, OrderedDict):
         return type(obj)((k, decode(v)) for k, v in obj.items())
     if type(obj) in (list, tuple):

@@ -14,12 +14,14 @@ import torch
 from ...checkpoint import load_checkpoint
 from ...config import ConfigError, ExperimentConfig
 from ...data import ImageDataset
+from ...errors import error_line
 from ...experiment import build_experiment, deployed
 from .. import offline
 from ..common import (
     CHECKPOINT_NAME,
     RunFailed,
     RunResult,
+    discard_unwritten,
     fresh_run_dir,
 )
 from .launch import (
@@ -90,12 +92,14 @@ def run_fedml(
         peers = [ip for ip, _ in table.values()]
         security = load_security(cfg, rank)
         check_port_free(rank, *table[rank])
+    claimed = None  # a new run folder: removed on an error before anything was written into it
     try:
         is_server = rank == 0
         state = None
         if is_server:
             base = Path(run_dir) if run_dir is not None else cfg.run_dir()
             run_dir = base if resume else fresh_run_dir(base)
+            claimed = None if resume else run_dir
             ckpt = run_dir / "checkpoints" / CHECKPOINT_NAME
             state = load_checkpoint(ckpt, cfg.fingerprint(), cfg.to_dict()) if resume else None
         dev_cfg = _with_device(cfg, rank)
@@ -141,14 +145,14 @@ def run_fedml(
                 previous = _install_terminate_handler(manager.on_terminate)
                 try:
                     if runtime.done:
-                        log.info("nothing to run: %s already completed round %d", run_dir, runtime.round - 1)
+                        log.info("nothing to run: %s already completed round %d", run_dir, runtime.round)
                     manager.run()
                 finally:
                     _restore_terminate_handler(previous)
                 if runtime.failure is not None:
                     raise runtime.failure
                 if not runtime.done:
-                    raise runtime.fail(f"the FedML server stopped in round {runtime.round} before the run ended")
+                    raise runtime.fail(f"the FedML server stopped in round {runtime.round + 1} before the run ended")
                 return runtime.result()
             finally:
                 if mpi_pickle is not None:
@@ -157,8 +161,10 @@ def run_fedml(
                 if guarded:
                     offline.uninstall()
     except RunFailed:
+        discard_unwritten(claimed)
         raise  # the server ended the run and told the workers (or aborted the job itself)
     except Exception as exc:
+        discard_unwritten(claimed)
         if comm is not None and comm.Get_size() > 1:
             _abort_mpi_job(rank, exc)
         raise
@@ -168,7 +174,7 @@ def _abort_mpi_job(rank: int, exc: BaseException) -> None:
     """An error escaped this rank outside the run's own failure path: the other ranks would wait for it
     forever (in a receive, or in ``MPI_Finalize`` at exit), so say why and end the whole job."""
     text = str(exc) if isinstance(exc, (ConfigError, OSError)) else f"{type(exc).__name__}: {exc}"
-    sys.stderr.write(f"fedml-ssfl run: error: rank {rank}: {text}; ending the MPI job\n")
+    sys.stderr.write(error_line(f"rank {rank}: {text}; ending the MPI job") + "\n")
     sys.stderr.flush()
     from mpi4py import MPI
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ...algorithms.base import Message, message_nbytes
+from ...client_state import close_client_states
 from ...config import ExperimentConfig
 from ...experiment import Experiment
 from ...sampling import sample_clients
@@ -21,9 +21,11 @@ from ..common import (
     RunResult,
     finish_round,
     is_checkpoint_round,
+    run_client_states,
     start_round,
 )
 from .payloads import check_reply, state_nbytes
+from .protocol import Failure, Intro, Reply, Task
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,7 @@ class ServerRuntime:
         K = cfg.train_args.client_num_in_total
         self.rec = RunRecorder(cfg, exp, run_dir, resume_state=resume_state, totals_keys=TOTALS)
         self.run_dir = Path(run_dir)
-        self.client_states: dict[int, dict] = (
-            resume_state["client_states"] if resume_state is not None else {k: {} for k in range(K)}
-        )
+        self.client_states = run_client_states(cfg, self.run_dir, resume_state)  # a dict, or a bounded store
         self.tags = {k: -1 for k in range(K)}  # round each silo's state was last updated
         self.holder: dict[int, int] = {}  # silo -> rank whose cache has its newest state
         self.stale: set[int] = set()  # silos whose newest state the server has not received
@@ -109,7 +109,7 @@ class ServerRuntime:
         self.end = rounds if stop_after is None else min(rounds, stop_after)
         self.status = "completed" if self.end == rounds else "stopped"
         self.current: RoundStart | None = None
-        self.payloads: dict[int, dict] | None = None
+        self.payloads: dict[int, Task] | None = None
         self.awaiting: dict[int, int] = {}  # rank -> silo, this round
         self.round_started = time.monotonic()
         self.failure: RunFailed | None = None
@@ -153,15 +153,15 @@ class ServerRuntime:
         self.awaiting.pop(rank, None)
 
     # ---- a round -------------------------------------------------------------------------
-    def begin_round(self) -> dict[int, dict[str, Any]]:
-        """Server step and one payload per silo for the current round (idempotent per round)."""
+    def begin_round(self) -> dict[int, Task]:
+        """Server step and one task per silo for the current round (idempotent per round)."""
         r = self.round
         if self.payloads is not None and self.current is not None and self.current.round_idx == r:
             return self.payloads
         plan = self.plan(r)
         start = start_round(self.exp, r)
         if sorted(plan) != start.chosen:
-            raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r}")
+            raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r + 1}")
         after = dict(self.holder)
         after.update({k: i + 1 for i, k in enumerate(plan)})
         stale_after = self.stale | set(plan)
@@ -180,47 +180,44 @@ class ServerRuntime:
                 if k in self.stale:
                     raise RuntimeError(f"silo {k}'s newest state is on rank {self.holder[k]}, not on the server")
                 state_down += state_nbytes(self.client_states[k])
-            payloads[k] = {
-                "kind": "round",
-                "round": r,
-                "silo": k,
-                "rank": w,
-                "msg": start.messages[k],
-                "state": self.client_states[k] if send_state else None,
-                "state_tag": self.tags[k],
-                "upload": uploads[w],
-                "drop": sorted(self.drop[w] - {k}),
-            }
+            payloads[k] = Task(
+                round=r,
+                silo=k,
+                rank=w,
+                msg=start.messages[k],
+                state=self.client_states[k] if send_state else None,
+                state_tag=self.tags[k],
+                upload=uploads[w],
+                drop=sorted(self.drop[w] - {k}),
+            )
             self.drop[w].clear()
         self.current, self.payloads, self.state_down = start, payloads, state_down
         self.awaiting = {i + 1: k for i, k in enumerate(plan)}
         self.round_started = time.monotonic()
         return payloads
 
-    def finish_round(self, uploads: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def finish_round(self, uploads: list[Reply | Failure], **extra: Any) -> dict[str, Any]:
         """Fold the workers' uploads into the algorithm; record the round; advance."""
         start, r = self.current, self.round
         if start is None:
             raise RuntimeError("finish_round before begin_round")
-        by_silo = {}
-        for up in uploads:
-            if up.get("kind") == "error":
-                raise self.client_error(up)
-            if up.get("round") != r or up.get("silo") not in start.chosen:
+        by_silo: dict[int, Reply] = {}
+        for up in self._replies(uploads):
+            if up.round != r or up.silo not in start.chosen:
                 raise RuntimeError(
-                    f"rank {up.get('rank')} sent a reply for round {up.get('round')} silo {up.get('silo')} "
-                    f"while round {r} waited for silos {start.chosen}"
+                    f"rank {up.rank} sent a reply for round {up.round + 1} silo {up.silo} "
+                    f"while round {r + 1} waited for silos {start.chosen}"
                 )
-            if up.get("rank") != self.plan(r).index(up["silo"]) + 1:
+            if up.rank != self.plan(r).index(up.silo) + 1:
                 raise RuntimeError(
-                    f"round {r}: silo {up['silo']} came back from rank {up.get('rank')}, but was routed to rank "
-                    f"{self.plan(r).index(up['silo']) + 1}"
+                    f"round {r + 1}: silo {up.silo} came back from rank {up.rank}, but was routed to rank "
+                    f"{self.plan(r).index(up.silo) + 1}"
                 )
-            by_silo[up["silo"]] = up
+            by_silo[up.silo] = up
         if sorted(by_silo) != start.chosen:
-            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+            raise RuntimeError(f"round {r + 1}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
         for k in start.chosen:  # the worker that trained a silo now holds its newest state
-            w = by_silo[k]["rank"]
+            w = by_silo[k].rank
             old = self.holder.get(k)
             if old is not None and old != w:
                 self.drop[old].add(k)
@@ -229,30 +226,39 @@ class ServerRuntime:
         state_up = 0
         for k in start.chosen:
             up = by_silo[k]
-            for j, (tag, st) in up.get("states", {}).items():
-                if self.holder.get(j) == up["rank"] and self.tags[j] == tag:
+            for j, (tag, st) in up.states.items():
+                if self.holder.get(j) == up.rank and self.tags[j] == tag:
                     self.client_states[j] = st
                     self.stale.discard(j)
                     state_up += state_nbytes(st)
         if is_checkpoint_round(self.cfg, r, self.end) and self.stale:
-            raise RuntimeError(f"round {r}: client states of silos {sorted(self.stale)} were not uploaded")
+            raise RuntimeError(f"round {r + 1}: client states of silos {sorted(self.stale)} were not uploaded")
         return self._close_round(by_silo, state_bytes_up=state_up, state_bytes_down=self.state_down, **extra)
 
-    def _close_round(self, by_silo: dict[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def _replies(self, uploads: list[Reply | Failure]) -> list[Reply]:
+        """The uploads as replies; a worker's :class:`Failure` (or anything else) stops the run."""
+        for up in uploads:
+            if isinstance(up, Failure):
+                raise self.client_error(up)
+            if not isinstance(up, Reply):
+                raise RuntimeError(f"round {self.round + 1}: a worker sent a {type(up).__name__}, not a Reply")
+        return list(uploads)
+
+    def _close_round(self, by_silo: dict[int, Reply], **extra: Any) -> dict[str, Any]:
         """Check the chosen silos' replies, aggregate, record the round and advance (both modes)."""
         start, r = self.current, self.round
         replies: dict[int, Message] = {}
         up_bytes = refused = 0
         for k in start.chosen:  # sorted, as in the local runtime: aggregation order matters
             up = by_silo[k]
-            msg = up.get("msg")
+            msg = up.msg
             if isinstance(msg, Message):
                 up_bytes += message_nbytes(msg)
             problem = check_reply(msg, self.model_shapes, start.messages.get(k), self.partial_ok)
             if problem is None:
                 replies[k] = msg
                 continue
-            text = f"round {r}: refused the reply of rank {up['rank']} (silo {k}): {problem}"
+            text = f"round {r + 1}: refused the reply of rank {up.rank} (silo {k}): {problem}"
             if self.requires_all:
                 raise RunFailed(f"{text}; algorithm '{self.cfg.algorithm}' needs every reply")
             log.warning("%s; the round goes on without it", text)
@@ -271,13 +277,10 @@ class ServerRuntime:
             self.bar.set_postfix(acc=f"{100 * acc:.2f}%")
         return row
 
-    def client_error(self, up: dict[str, Any]) -> RunFailed:
-        tb = up.get("traceback", "")
-        if tb:
-            log.error("traceback from rank %s (silo %s):\n%s", up.get("rank"), up.get("silo"), tb)
-        return RunFailed(
-            f"rank {up.get('rank')} (silo {up.get('silo')}) failed in round {up.get('round')}: {up.get('error')}"
-        )
+    def client_error(self, up: Failure) -> RunFailed:
+        if up.traceback:
+            log.error("traceback from rank %s (silo %s):\n%s", up.rank, up.silo, up.traceback)
+        return RunFailed(up.describe())
 
     # ---- end -----------------------------------------------------------------------------
     def fail(self, error: BaseException | str) -> RunFailed:
@@ -287,11 +290,13 @@ class ServerRuntime:
             self.failure = self.rec.fail(text)
             self.bar.close()
             self.rec.close()
+            close_client_states(self.client_states)
         return self.failure
 
     def result(self) -> RunResult:
         self.bar.close()
         self.rec.close()
+        close_client_states(self.client_states)
         return self.rec.result(
             self.status,
             runtime=f"fedml-{self.backend}",
@@ -321,14 +326,14 @@ class DeployedServerRuntime(ServerRuntime):
 
         super().__init__(cfg, exp, run_dir, resume_state, workers, stop_after, backend)
         self.client_states = {}
-        self.meta = dataclasses.asdict(SiloMeta.of(exp.dataset))
+        self.meta = SiloMeta.of(exp.dataset)
         self.resumed_after = self.round - 1 if resume_state is not None else -1
         self.introduced: set[int] = set()
 
     def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
         return list(range(self.workers))
 
-    def begin_round(self) -> dict[int, dict[str, Any]]:
+    def begin_round(self) -> dict[int, Task]:
         r = self.round
         if self.payloads is not None and self.current is not None and self.current.round_idx == r:
             return self.payloads
@@ -336,36 +341,41 @@ class DeployedServerRuntime(ServerRuntime):
         checkpoint = is_checkpoint_round(self.cfg, r, self.end)
         payloads = {}
         for k in range(self.workers):
-            p: dict[str, Any] = {"kind": "idle", "round": r, "silo": k, "rank": k + 1, "checkpoint": checkpoint}
-            if k in start.messages:
-                p.update(kind="round", msg=start.messages[k])
+            intro = None
             if k + 1 not in self.introduced:
-                p.update(meta=self.meta, run_name=self.run_dir.name, resumed_after=self.resumed_after)
+                intro = Intro(self.meta, self.run_dir.name, self.resumed_after)
                 self.introduced.add(k + 1)
-            payloads[k] = p
+            payloads[k] = Task(
+                round=r,
+                silo=k,
+                rank=k + 1,
+                train=k in start.messages,
+                msg=start.messages.get(k),
+                checkpoint=checkpoint,
+                intro=intro,
+            )
         self.current, self.payloads = start, payloads
         self.awaiting = {k + 1: k for k in range(self.workers)}
         self.round_started = time.monotonic()
         return payloads
 
-    def finish_round(self, uploads: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def finish_round(self, uploads: list[Reply | Failure], **extra: Any) -> dict[str, Any]:
         start, r = self.current, self.round
         if start is None:
             raise RuntimeError("finish_round before begin_round")
-        by_silo: dict[int, dict[str, Any]] = {}
-        for up in uploads:
-            if up.get("kind") == "error":
-                raise self.client_error(up)
-            k = up.get("silo")
-            if up.get("round") != r or up.get("rank") != (k + 1 if isinstance(k, int) else None):
+        by_silo: dict[int, Reply] = {}
+        for up in self._replies(uploads):
+            k = up.silo
+            if up.round != r or up.rank != k + 1:
                 raise RuntimeError(
-                    f"rank {up.get('rank')} sent a reply for round {up.get('round')} silo {k} in round {r} "
+                    f"rank {up.rank} sent a reply for round {up.round + 1} silo {k} in round {r + 1} "
                     "(rank k + 1 serves silo k)"
                 )
-            if (up.get("kind") == "reply") != (k in start.chosen):
-                raise RuntimeError(f"round {r}: silo {k} answered '{up.get('kind')}' to a '{self.payloads[k]['kind']}'")
-            if up["kind"] == "reply":
+            if up.trained != (k in start.chosen):
+                said, asked = ("trained", "stay idle") if up.trained else ("stayed idle", "train")
+                raise RuntimeError(f"round {r + 1}: silo {k} {said} when told to {asked}")
+            if up.trained:
                 by_silo[k] = up
         if sorted(by_silo) != start.chosen:
-            raise RuntimeError(f"round {r}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
+            raise RuntimeError(f"round {r + 1}: replies for silos {sorted(by_silo)}, expected {start.chosen}")
         return self._close_round(by_silo, **extra)

@@ -16,8 +16,9 @@ Only these nodes exist, so decoding can build nothing else:
   tensor (bfloat16 and the NumPy dtypes), ``{"S": [indices, values, size]}`` sparse COO tensor,
   ``{"B": buffer}`` bytes;
 * ``{"M": {...}}`` :class:`~fedml_ssfl.algorithms.base.Message`, ``{"K": {...}}``
-  :class:`~fedml_ssfl.data.silos.SiloMeta`, ``{"F": {...}}`` FedML's transport message (its
-  parameter dict; the class is supplied by the transport).
+  :class:`~fedml_ssfl.data.silos.SiloMeta`, ``{"R": [name, {...}]}`` a record of the server <->
+  worker protocol (:mod:`.protocol`; its fields are checked as it is built), ``{"F": {...}}``
+  FedML's transport message (its parameter dict; the class is supplied by the transport).
 
 Anything else is refused with :class:`WireError` before an object is built: unknown tags, a
 dtype outside the list, a shape that does not match its bytes, a buffer range outside the message,
@@ -39,6 +40,7 @@ import torch
 
 from ...algorithms.base import Message
 from ...data.silos import SiloMeta
+from . import protocol
 
 MAGIC = b"SSFLWIRE1"
 MAX_DEPTH = 64
@@ -64,6 +66,7 @@ _TORCH_DTYPES = {
     torch.bfloat16: "bfloat16",
 }
 _FROM_NAME = {v: k for k, v in _TORCH_DTYPES.items()}
+_RECORD_TYPES = frozenset(protocol.RECORDS.values())
 
 
 class WireError(ValueError):
@@ -136,6 +139,8 @@ class _Writer:
             return {"M": {"weights": self.node(x.weights, d), "extras": self.node(x.extras, d), "n": x.num_samples}}
         if isinstance(x, SiloMeta):
             return {"K": {k: self.node(getattr(x, k), d) for k in SiloMeta.__dataclass_fields__}}
+        if type(x) in _RECORD_TYPES:
+            return {"R": [type(x).__name__, {k: self.node(v, d) for k, v in protocol.fields_of(x).items()}]}
         if self.fedml_message_class is not None and isinstance(x, self.fedml_message_class):
             return {"F": self.node(x.get_params(), d)}
         if isinstance(x, OrderedDict):
@@ -272,6 +277,12 @@ class _Reader:
             return Message(weights=weights, extras=extras, num_samples=v["n"])
         if tag == "K" and isinstance(v, dict) and set(v) == set(SiloMeta.__dataclass_fields__):
             return SiloMeta(**{k: self.node(e, d) for k, e in v.items()})
+        if tag == "R" and isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], dict):
+            values = {k: self.node(e, d) for k, e in v[1].items()}
+            try:
+                return protocol.build(v[0], values)
+            except (TypeError, ValueError) as exc:
+                raise WireError(f"protocol record: {exc}") from None
         if tag == "F" and self.fedml_message_class is not None:
             params = self.node(v, d)
             if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from ...algorithms.base import ClientContext
 from ...checkpoint import load_checkpoint, save_checkpoint
 from ...config import ExperimentConfig
 from ...experiment import Experiment
+from .protocol import Failure, Reply, Task
 
 log = logging.getLogger(__name__)
 
@@ -32,50 +32,41 @@ class ClientWorker:
         self.exp, self.rank = exp, rank
         self.cache: dict[int, tuple[int, dict]] = {}  # silo -> (round of last update, state)
 
-    def handle(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Run one round's client update; return the upload (or an error upload, never raising)."""
-        r, k = payload.get("round", -1), payload.get("silo", -1)
+    def handle(self, task: Task) -> Reply | Failure:
+        """Run one round's client update; return the reply (or a :class:`Failure`, never raising)."""
+        r, k = task.round, task.silo
         try:
-            for j in payload.get("drop", ()):
+            for j in task.drop:
                 self.cache.pop(j, None)
-            if payload["state"] is not None:
-                self.cache[k] = (payload["state_tag"], payload["state"])
+            if task.state is not None:
+                self.cache[k] = (task.state_tag, task.state)
             tag, state = self.cache.get(k, (None, None))
-            if state is None or tag != payload["state_tag"]:
+            if state is None or tag != task.state_tag:
                 raise RuntimeError(
-                    f"silo {k}'s client state from round {payload['state_tag']} is not on rank {self.rank} "
+                    f"silo {k}'s client state from round {task.state_tag + 1} is not on rank {self.rank} "
                     f"(it has {tag}); the routing and the state cache disagree"
                 )
-            ctx = ClientContext(round_idx=r, device=self.exp.device, seed=self.exp.config.common_args.random_seed)
-            t0 = time.perf_counter()
-            with seeding.global_stream(ctx.seed, "client", r, k, device=self.exp.device):
-                reply = self.exp.algorithm.client_update(payload["msg"], self.exp.client_data(k, r), state, ctx)
-            seconds = time.perf_counter() - t0
+            reply = _client_update(self.exp, task.msg, k, r, state)
             self.cache[k] = (r, state)
-            missing = [j for j in payload["upload"] if j not in self.cache]
+            missing = [j for j in task.upload if j not in self.cache]
             if missing:
                 raise RuntimeError(
                     f"asked to upload the state of silos {missing}, which rank {self.rank} does not hold"
                 )
-            states = {j: self.cache[j] for j in payload["upload"]}
-            return {
-                "kind": "reply",
-                "round": r,
-                "silo": k,
-                "rank": self.rank,
-                "msg": reply,
-                "states": states,
-                "seconds": seconds,
-            }
+            return Reply(r, k, self.rank, msg=reply, states={j: self.cache[j] for j in task.upload})
         except Exception as exc:  # reported to the server, which stops the run with this message
-            return {
-                "kind": "error",
-                "round": r,
-                "silo": k,
-                "rank": self.rank,
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
+            return _failure(r, k, self.rank, exc)
+
+
+def _client_update(exp: Experiment, msg: Any, silo: int, r: int, state: dict[str, Any]) -> Any:
+    """The algorithm's client update for ``silo`` in round ``r``, under the (seed, client, r, silo) stream."""
+    ctx = ClientContext(round_idx=r, device=exp.device, seed=exp.config.common_args.random_seed)
+    with seeding.global_stream(ctx.seed, "client", r, silo, device=exp.device):
+        return exp.algorithm.client_update(msg, exp.client_data(silo, r), state, ctx)
+
+
+def _failure(r: int, silo: int, rank: int, exc: Exception) -> Failure:
+    return Failure(r, silo, rank, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
 
 
 SILO_STATE_NAME = "silo_state.pt"
@@ -103,55 +94,42 @@ class SiloWorker:
         self.state: dict[str, Any] = {}
         self.state_path: Path | None = None
 
-    def _start(self, payload: dict[str, Any]) -> None:
-        from ...data.silos import SiloMeta
+    def _start(self, task: Task) -> None:
         from ...experiment import build_silo_experiment
 
-        meta = payload.get("meta")
-        if meta is None:
+        intro = task.intro
+        if intro is None:
             raise RuntimeError("the server's first message carries no metadata; restart the job")
-        self.exp = build_silo_experiment(self.cfg, SiloMeta(**meta), self.rank)
-        self.state_path = silo_dir(self.cfg, payload["run_name"], self.silo) / "checkpoints" / SILO_STATE_NAME
-        after = int(payload.get("resumed_after", -1))
+        self.exp = build_silo_experiment(self.cfg, intro.meta, self.rank)
+        self.state_path = silo_dir(self.cfg, intro.run_name, self.silo) / "checkpoints" / SILO_STATE_NAME
+        after = intro.resumed_after
         if after >= 0:
             saved = load_checkpoint(self.state_path, self.cfg.fingerprint())
             if saved.get("round") != after or saved.get("silo") != self.silo:
+                theirs = saved.get("round")
+                theirs = theirs + 1 if isinstance(theirs, int) else theirs
                 raise RuntimeError(
-                    f"{self.state_path} holds silo {saved.get('silo')}'s state after round {saved.get('round')}, but "
-                    f"the server resumes after round {after}: restore this silo's checkpoint folder from that round"
+                    f"{self.state_path} holds silo {saved.get('silo')}'s state after round {theirs}, but "
+                    f"the server resumes after round {after + 1}: restore this silo's checkpoint folder from that round"
                 )
             self.state = saved["state"]
 
-    def handle(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, task: Task) -> Reply | Failure:
         """One round (train, or stay idle when not sampled); never raises (errors go to the server)."""
-        r = payload.get("round", -1)
+        r = task.round
         try:
             if self.exp is None:
-                self._start(payload)
-            if payload.get("silo") != self.silo:
-                raise RuntimeError(f"rank {self.rank} serves silo {self.silo}, but was sent silo {payload.get('silo')}")
-            up: dict[str, Any] = {"kind": "idle", "round": r, "silo": self.silo, "rank": self.rank}
-            if payload["kind"] == "round":
-                seed = self.cfg.common_args.random_seed
-                ctx = ClientContext(round_idx=r, device=self.exp.device, seed=seed)
-                t0 = time.perf_counter()
-                with seeding.global_stream(seed, "client", r, self.silo, device=self.exp.device):
-                    reply = self.exp.algorithm.client_update(
-                        payload["msg"], self.exp.client_data(self.silo, r), self.state, ctx
-                    )
-                up.update(kind="reply", msg=reply, seconds=time.perf_counter() - t0)
-            if payload.get("checkpoint"):
+                self._start(task)
+            if task.silo != self.silo:
+                raise RuntimeError(f"rank {self.rank} serves silo {self.silo}, but was sent silo {task.silo}")
+            reply = Reply(r, self.silo, self.rank, trained=task.train)
+            if task.train:
+                reply.msg = _client_update(self.exp, task.msg, self.silo, r, self.state)
+            if task.checkpoint:
                 save_checkpoint(
                     self.state_path,
                     {"round": r, "silo": self.silo, "fingerprint": self.cfg.fingerprint(), "state": self.state},
                 )
-            return up
+            return reply
         except Exception as exc:  # reported to the server, which stops the run naming this silo
-            return {
-                "kind": "error",
-                "round": r,
-                "silo": self.silo,
-                "rank": self.rank,
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
+            return _failure(r, self.silo, self.rank, exc)
