@@ -52,6 +52,7 @@ from torch.nn import functional as F
 
 from .contract import TrainSettings, check_finite
 from .errors import ConfigError
+from .models.layout import inputs_keep_strides
 from .ssl.pseudo_label import PseudoLabels
 from .training import (
     BatchStream,
@@ -424,7 +425,8 @@ def run_stacked(
     firsts = [job.draw(0) for job in jobs]
     results: list[JobResult | None] = [None] * len(jobs)
     for members in stack_groups(jobs, firsts, max_stack):
-        trained = _train_group([jobs[i] for i in members], [firsts[i] for i in members], model, train, round_idx)
+        with inputs_keep_strides():  # vmap cannot restride to channels_last (models/layout.py)
+            trained = _train_group([jobs[i] for i in members], [firsts[i] for i in members], model, train, round_idx)
         for i, res in zip(members, trained):
             results[i] = res
     return results  # type: ignore[return-value]

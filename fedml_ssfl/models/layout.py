@@ -18,6 +18,9 @@ The layouts compute the same functions; their results differ in the last bits of
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -61,10 +64,26 @@ def as_layout(x: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
 
 
 _LAYOUTS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
+_OFF = threading.local()
+
+
+@contextmanager
+def inputs_keep_strides() -> Iterator[None]:
+    """Within this block the layout hook leaves inputs as they are (this thread only).
+
+    For :func:`torch.func.vmap`, which cannot restride a batched tensor to channels_last; a vmapped
+    model computes on stacked weights, whose layout is the stack's anyway.
+    """
+    before = getattr(_OFF, "on", False)
+    _OFF.on = True
+    try:
+        yield
+    finally:
+        _OFF.on = before
 
 
 def _input_to_layout(name: str, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    if args and isinstance(args[0], torch.Tensor):
+    if args and isinstance(args[0], torch.Tensor) and not getattr(_OFF, "on", False):
         return (as_layout(args[0], _LAYOUTS[name]), *args[1:])
     return None
 
