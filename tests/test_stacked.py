@@ -18,6 +18,7 @@ from torch import nn
 from fedml_ssfl import stacked
 from fedml_ssfl.algorithms import jobs as algorithm_jobs
 from fedml_ssfl.algorithms.base import NonFiniteLossError
+from fedml_ssfl.client_state import ClientStateStore
 from fedml_ssfl.config import ConfigError
 from fedml_ssfl.contract import DataInfo, TrainSettings
 from fedml_ssfl.experiment import build_experiment
@@ -95,12 +96,13 @@ def moved(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a if a[k].is_floating_point())
 
 
-def two_rounds(small_config, overrides: list[str], stack: bool):
+def two_rounds(small_config, overrides: list[str], stack: bool, states=None):
     cfg = small_config(*SIZE, *overrides, f"train_args.stack_clients={str(stack).lower()}")
     exp = build_experiment(cfg)
     exp.algorithm.setup()
     start = {k: v.clone() for k, v in exp.algorithm.global_state.items()}
-    states: dict[int, dict] = {k: {} for k in range(cfg.train_args.client_num_in_total)}
+    if states is None:
+        states = {k: {} for k in range(cfg.train_args.client_num_in_total)}
     rows = [run_round(exp, r, states) for r in range(2)]
     for row in rows:
         row.pop("seconds")
@@ -118,6 +120,18 @@ def test_stacked_rounds_equal_one_after_another(small_config, case: str) -> None
     # the clients trained: the models moved far beyond the tolerance
     trained = algo_b.get("client_models") or {0: algo_b["global_state"]}
     assert max(moved(start, w) for w in trained.values()) > 100 * TOL
+
+
+def test_stacked_states_survive_a_spilling_store(small_config, tmp_path) -> None:
+    """Under a tiny state budget the store spills every state it is not handing out; the stacked
+    round holds all its clients' states at once, so it must hand them back (momentum, own BN stats)."""
+    _, plain, rows_a, _ = two_rounds(small_config, CASES["fedavg_ssl-bn"], stack=True)
+    store = ClientStateStore(1, tmp_path / "spill", fresh=range(4))
+    _, _, rows_b, _ = two_rounds(small_config, CASES["fedavg_ssl-bn"], stack=True, states=store)
+    assert store.spills > 0
+    assert max_diff(plain, {k: store[k] for k in plain}) == 0.0
+    assert any(plain[k].get("momentum") for k in plain)
+    assert max_diff(rows_a, rows_b) == 0.0
 
 
 def test_stacking_is_not_bypassed(small_config, monkeypatch) -> None:

@@ -152,6 +152,8 @@ def run_round(exp: Experiment, r: int, client_states: MutableMapping[int, dict])
         work = {k: (start.messages[k], exp.client_data(k, r), client_states[k]) for k in start.chosen}
         with seeding.global_stream(ctx.seed, "client", r, "stacked", device=exp.device):
             replies = algo.client_updates_stacked(work, ctx, cfg.train_args.stack_size)
+        for k, (_, _, state) in work.items():
+            client_states[k] = state  # a bounded store may have spilled it since it was read (client_state.py)
         return finish_round(exp, start, replies, sum(message_nbytes(m) for m in replies.values()))
     up = 0
     replies: dict[int, Message] = {}
