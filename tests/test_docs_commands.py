@@ -88,6 +88,7 @@ EXCLUDED: dict[str, str] = {
         "the full round-speed sweep (10 rows, ~35 min on 2 cores); its figures are committed in benchmarks/results/ "
         "and docs/performance.md's one-row --merge command runs here"
     ),
+    r"^python benchmarks/stacked_clients\.py --device cuda\b": "needs a CUDA device (this CI has none)",
     r"^python benchmarks/state_memory\.py$": (
         "a benchmark sweep (K up to 10,000, minutes); its figures are committed in benchmarks/results/ and "
         "tests/test_client_state.py tests the store it measures"
@@ -100,7 +101,7 @@ RUN: dict[str, str | None] = {
     r"^mpirun -np \d+ --oversubscribe (fedml-ssfl|python deploy/fedml_runner\.py) ": None,
     r"^deploy/(run_mpi|make_test_certs)\.sh ": None,
     r"^python (-c |-m mobile_export |edge_label\.py )": None,
-    r"^python benchmarks/(round_speed\.py --rows |first_round\.py )": None,  # smoke-sized by FEDML_SSFL_SET
+    r"^python benchmarks/(round_speed\.py --rows |first_round\.py |stacked_clients\.py --algorithms )": None,  # smoke-sized by FEDML_SSFL_SET
     r"^fedml federate build ": None,  # packs the workspace locally, offline
     r"^\. \.venv/bin/activate$": None,
     r"^export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1$": None,
