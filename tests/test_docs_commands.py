@@ -101,7 +101,8 @@ RUN: dict[str, str | None] = {
     r"^mpirun -np \d+ --oversubscribe (fedml-ssfl|python deploy/fedml_runner\.py) ": None,
     r"^deploy/(run_mpi|make_test_certs)\.sh ": None,
     r"^python (-c |-m mobile_export |edge_label\.py )": None,
-    r"^python benchmarks/(round_speed\.py --rows |first_round\.py |stacked_clients\.py --algorithms )": None,  # smoke-sized by FEDML_SSFL_SET
+    # smoke-sized by FEDML_SSFL_SET (round_speed, first_round) or by their own arguments
+    r"^python benchmarks/(round_speed\.py --rows |first_round\.py |stacked_clients\.py --algorithms )": None,
     r"^fedml federate build ": None,  # packs the workspace locally, offline
     r"^\. \.venv/bin/activate$": None,
     r"^export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1$": None,
