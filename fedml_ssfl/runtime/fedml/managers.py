@@ -104,6 +104,8 @@ class SSFLServerManager(FedMLServerManager):
             self.refused[sender] = problem
             refusal = FedMessage(MyMessage.MSG_TYPE_S2C_FINISH, 0, sender)
             refusal.add_params(REFUSED, problem)
+            if hasattr(self.com_manager, "renew_channel"):  # GRPC: it is up, skip any reconnect backoff
+                self.com_manager.renew_channel(sender)
             try:
                 self.send_message(refusal)
             except Exception as exc:  # it stops by itself at its connect timeout

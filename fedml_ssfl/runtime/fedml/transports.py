@@ -148,6 +148,16 @@ class QuietGrpcComm(GRPCCommManager):
                 eid=rank, rank=rank, grpc_server_ip=ip, grpc_server_port=port, ingress_ip=None
             )
 
+    def renew_channel(self, receiver: int) -> None:
+        """Drop the channel to ``receiver``; the next message opens a fresh one.
+
+        For a peer that has just spoken: a channel whose earlier probe found it not yet up may still
+        be backing off (gRPC waits up to seconds before reconnecting), longer than a stop notice waits.
+        """
+        old = self._channels.pop(receiver, None)
+        if old is not None:
+            old[0].close()
+
     def _stub(self, receiver: int):
         if receiver not in self._channels:
             m = self.grpc_mappings[receiver]
