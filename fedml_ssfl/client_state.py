@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from .atomic import atomic_write
+
 STATES_DIR = "client_states"
 """The folder beside a checkpoint holding the files of the states it lists by digest."""
 
@@ -202,16 +204,12 @@ def _place(src: Path, folder: Path) -> tuple[Path, bool]:
     except FileExistsError:
         return dst, False
     except OSError:  # another file system, or no hard links there: copy
-        fd, tmp = tempfile.mkstemp(prefix=dst.name + ".", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+
+        def copy(out) -> None:
+            with open(src, "rb") as inp:
                 shutil.copyfileobj(inp, out, _CHUNK)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, dst)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+
+        atomic_write(dst, copy)
         return dst, False
     return dst, True
 

@@ -208,6 +208,27 @@ def test_checkpoint_entries_link_spilled_files_and_reopen_exactly(tmp_path) -> N
     assert sorted(p.stem for p in states_dir.iterdir()) == sorted(payload[FILES_KEY].values())  # never removed
 
 
+def test_without_hard_links_the_checkpoint_copies_the_spill_files(tmp_path, monkeypatch) -> None:
+    """A spill folder on another file system than the checkpoint: each file is copied (atomically)."""
+    import fedml_ssfl.client_state as client_state
+
+    def no_links(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(client_state.os, "link", no_links)
+    store = ClientStateStore(0, tmp_path / "spill")
+    states = {k: _state(k) for k in range(3)}
+    for k, v in states.items():
+        store[k] = v
+    states_dir = tmp_path / "ckpt" / STATES_DIR
+    payload = client_state_payload(store, states_dir)
+    copies = sorted(states_dir.iterdir())
+    assert [p.stem for p in copies] == sorted(payload[FILES_KEY].values()) and len(copies) == 3
+    assert all(p.stat().st_nlink == 1 for p in copies)  # copies, not links
+    store.close()
+    assert_same_state(open_client_states(range(3), None, None, payload, states_dir), states)
+
+
 def test_a_checkpoint_naming_a_damaged_or_missing_file_is_refused_before_the_run(tmp_path) -> None:
     store = ClientStateStore(0, tmp_path / "spill")
     store[0], store[1] = _state(0), _state(1)
