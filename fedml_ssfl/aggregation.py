@@ -9,11 +9,50 @@ with the server first, the averaged model keeps the server's).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
 State = dict[str, torch.Tensor]
+
+
+def dense_layout(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when the tensors share one shape and one set of strides, contiguous or channels_last.
+
+    For such tensors an element-wise result and a full reduction do not depend on where their
+    memory lies: :class:`Scratch` views can stand in for fresh tensors, bit for bit.
+    """
+    first: torch.Tensor | None = None
+    for t in tensors:
+        if first is None:
+            first = t
+            if not (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))):
+                return False
+        elif t.shape != first.shape or t.stride() != first.stride():
+            return False
+    return True
+
+
+class Scratch:
+    """Reusable float64 work tensors: ``slots`` flat buffers of ``numel`` elements, viewed per tensor.
+
+    A 10 M-parameter model's float64 temporaries (two or three fresh tensors per state and
+    tensor) cost more in allocation and page faults than in arithmetic; views of a few buffers
+    sized to the largest tensor do the same arithmetic (issue 15). Results taken from a view
+    must be copied out (``.to(dtype)``, ``float(...)``) before the slot is used again.
+    """
+
+    def __init__(self, numel: int, slots: int, dtype: torch.dtype = torch.float64) -> None:
+        self.buffers = [torch.empty(max(numel, 1), dtype=dtype) for _ in range(slots)]
+
+    @classmethod
+    def for_tensors(cls, tensors: Iterable[torch.Tensor], slots: int) -> Scratch:
+        """Buffers sized to the largest of ``tensors``."""
+        return cls(max((t.numel() for t in tensors), default=1), slots)
+
+    def like(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+        """Slot ``slot`` viewed with ``t``'s shape and strides (``t`` must pass :func:`dense_layout`)."""
+        return self.buffers[slot][: t.numel()].as_strided(t.shape, t.stride())
 
 
 def weighted_average(
@@ -48,18 +87,25 @@ def weighted_average(
     if averaged is not None and not averaged <= set(names):
         raise ValueError(f"weighted_average: keys {sorted(averaged - set(names))[:3]} are not in the state dicts")
     out: State = {}
+    scratch: Scratch | None = None
     for k in names:
         ref = states[0][k]
         if averaged is not None and k not in averaged:
             out[k] = ref.clone()
         elif ref.is_floating_point():
-            # acc += float64(s) * (w / total), in two buffers reused over the states (a 10 M-parameter
-            # model otherwise allocates, and faults in, two fresh float64 copies per state and tensor)
-            acc = torch.zeros_like(ref, dtype=torch.float64)
-            term = torch.empty_like(acc)
-            for s, w in zip(states, weights):
+            for s in states:
                 if s[k].shape != ref.shape:
                     raise ValueError(f"weighted_average: '{k}' has shape {tuple(s[k].shape)}, not {tuple(ref.shape)}")
+            # acc += float64(s) * (w / total), in two buffers reused over the states and tensors (a
+            # 10 M-parameter model otherwise allocates, and faults in, fresh float64 copies per tensor)
+            if dense_layout([ref]):
+                if scratch is None:
+                    scratch = Scratch.for_tensors((states[0][n] for n in names), 2)
+                acc, term = scratch.like(0, ref).zero_(), scratch.like(1, ref)
+            else:
+                acc = torch.zeros_like(ref, dtype=torch.float64)
+                term = torch.empty_like(acc)
+            for s, w in zip(states, weights):
                 acc.add_(term.copy_(s[k]).mul_(w / total))
             out[k] = acc.to(ref.dtype)
         else:
@@ -105,12 +151,34 @@ def weight_diversity(before: State, after: Sequence[State], keys: Sequence[str] 
     Returns ``nan`` when the updates sum to zero.
     """
     keys = [k for k in (keys or before.keys()) if before[k].is_floating_point()]
+    # Tensor by tensor over the models, in four reused float64 buffers (a fresh g, g * g and running
+    # sum per model and tensor cost a 10 M-parameter model more than the arithmetic; issue 15). The
+    # squared norms are added up in the definition's order, models outer, so the result is the same.
+    squares = [[0.0] * len(keys) for _ in after]  # ||g_i[k]||^2
+    sums: list[float] = []  # ||sum_i g_i[k]||^2
+    scratch = Scratch.for_tensors((before[k] for k in keys), 4) if after else None
+    for j, k in enumerate(keys):
+        if not after:
+            break
+        ref = before[k]
+        if scratch is not None and dense_layout([ref, *(w[k] for w in after)]):
+            base, g, sq, total = (scratch.like(slot, ref) for slot in range(4))
+            base.copy_(ref)
+            for i, w in enumerate(after):
+                g.copy_(w[k]).sub_(base)
+                squares[i][j] = float(torch.mul(g, g, out=sq).sum())
+                total.copy_(g) if i == 0 else total.add_(g)
+            sums.append(float(torch.mul(total, total, out=sq).sum()))
+        else:  # mixed layouts: fresh tensors, as the formula reads
+            acc = None
+            for i, w in enumerate(after):
+                d = w[k].to(torch.float64) - ref.to(torch.float64)
+                squares[i][j] = float((d * d).sum())
+                acc = d if acc is None else acc + d
+            sums.append(float((acc * acc).sum()))
     num = 0.0
-    total: dict[str, torch.Tensor] = {}
-    for w in after:
-        for k in keys:
-            g = w[k].to(torch.float64) - before[k].to(torch.float64)
-            num += float((g * g).sum())
-            total[k] = total[k] + g if k in total else g
-    den = sum(float((t * t).sum()) for t in total.values())
+    for row in squares:
+        for v in row:
+            num += v
+    den = sum(sums)
     return num / den if den > 0 else float("nan")

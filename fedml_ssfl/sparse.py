@@ -31,7 +31,9 @@ def keep_mask(delta: torch.Tensor, threshold: float) -> torch.Tensor:
     Keeping non-finite values lets the receiver (e.g. the FedML runtime's reply check) see and
     refuse them instead of having them silently dropped.
     """
-    return ~(delta.abs() < threshold) & (delta != 0)
+    if threshold > 0:  # |d| >= threshold > 0 (or NaN) already means d != 0: one pass fewer, the same mask
+        return (delta.abs() < threshold).logical_not_()
+    return delta != 0
 
 
 def sparse_nbytes(nnz: int, element_size: int, ndim: int = 1) -> int:
@@ -39,7 +41,7 @@ def sparse_nbytes(nnz: int, element_size: int, ndim: int = 1) -> int:
     return nnz * (element_size + INDEX_BYTES * ndim)
 
 
-def sparsify(delta: torch.Tensor, threshold: float, dense_fallback: bool = True) -> torch.Tensor:
+def sparsify(delta: torch.Tensor, threshold: float, dense_fallback: bool = True, owned: bool = False) -> torch.Tensor:
     """A delta for the wire: a flattened 1-D sparse COO tensor of its entries with ``|d| >= threshold``.
 
     Parameters
@@ -51,6 +53,9 @@ def sparsify(delta: torch.Tensor, threshold: float, dense_fallback: bool = True)
     dense_fallback : bool
         When the COO encoding would not be smaller than the dense one, return the flattened
         dense delta unchanged (exact, never dropping anything).
+    owned : bool
+        The caller hands ``delta`` over (a temporary nobody else holds or writes to): the dense
+        fallback is then ``delta`` flattened, not a copy of it.
 
     Returns
     -------
@@ -63,7 +68,7 @@ def sparsify(delta: torch.Tensor, threshold: float, dense_fallback: bool = True)
     keep = keep_mask(flat, threshold)
     nnz = int(keep.sum())
     if dense_fallback and sparse_nbytes(nnz, flat.element_size()) >= flat.numel() * flat.element_size():
-        return flat.clone()
+        return flat if owned else flat.clone()
     idx = keep.nonzero().reshape(1, -1)
     return torch.sparse_coo_tensor(idx, flat[keep], (flat.numel(),), is_coalesced=True, check_invariants=False)
 

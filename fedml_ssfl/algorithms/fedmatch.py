@@ -496,7 +496,7 @@ class FedMatch(GlobalModelAlgorithm):
             for n in lay.params:
                 key = prefix + n
                 old = held[key] if held is not None else torch.zeros_like(source[n])
-                enc = sparsify(source[n] - old, thr, fallback)
+                enc = sparsify(source[n] - old, thr, fallback, owned=True)
                 weights[key] = enc
                 record[key] = old + densify(enc, lay.shapes[n])
         if self.config.s2c_deltas:
@@ -508,7 +508,7 @@ class FedMatch(GlobalModelAlgorithm):
             psi_h = self.client_psi[h]
             for n in lay.params:
                 delta = densify(psi_h[n], lay.shapes[n]) - record[PSI + n]
-                weights[HELPER.format(j) + n] = sparsify(delta, thr, fallback)
+                weights[HELPER.format(j) + n] = sparsify(delta, thr, fallback, owned=True)
         msg = Message(weights=weights, extras={"round": round_idx, "num_helpers": len(helpers)})
         values = sum(num_values(t) for key, t in weights.items() if key not in lay.buffers)
         self._sent[client_id] = (message_nbytes(msg), values, len(helpers))
@@ -742,7 +742,7 @@ class FedMatch(GlobalModelAlgorithm):
         weights: dict[str, torch.Tensor] = {}
         if train_sigma:
             for n in lay.params:
-                weights[SIGMA + n] = sparsify(new_sigma[n].cpu() - sigma[n], c2s, fallback)
+                weights[SIGMA + n] = sparsify(new_sigma[n].cpu() - sigma[n], c2s, fallback, owned=True)
         if train_psi:
             psi_thr = self.setting("psi_threshold")
             kept = total = 0
@@ -750,7 +750,7 @@ class FedMatch(GlobalModelAlgorithm):
                 p = hard_threshold(new_psi[n].cpu(), psi_thr)
                 kept += int((p != 0).sum())
                 total += p.numel()
-                weights[PSI + n] = sparsify(p - psi[n], c2s, fallback)
+                weights[PSI + n] = sparsify(p - psi[n], c2s, fallback, owned=True)
             metrics["psi_density"] = kept / max(total, 1)
         for k, v in new_buffers.items():
             weights[k] = v.cpu()

@@ -172,7 +172,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import seeding
-from ..aggregation import weighted_average
+from ..aggregation import Scratch, dense_layout, weighted_average
 from ..errors import ConfigError
 from ..ssl.consistency import kl_consistency, sigmoid_rampup, softmax_mse
 from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, make_optimizer, run_steps
@@ -262,16 +262,24 @@ def fsm(
     out. A layer with no floating tensor scores 0; a zero online layer divides by ``1e-12``.
     """
     out = torch.zeros(len(groups), dtype=torch.float64)
+    floats = [online[k] for keys in groups.values() for k in keys if online[k].is_floating_point()]
+    scratch = Scratch.for_tensors(floats, 3)  # reused float64 buffers, not fresh ones per tensor (issue 15)
     for j, keys in enumerate(groups.values()):
         num = den = 0.0
         for k in keys:
-            s = online[k]
+            s, t = online[k].detach(), target[k].detach()
             if not s.is_floating_point():
                 continue
-            s = s.detach().to(torch.float64)
-            d = target[k].detach().to(torch.float64) - s
-            num += float((d * d).sum())
-            den += float((s * s).sum())
+            if dense_layout([s, t]):
+                s64, d, sq = scratch.like(0, s).copy_(s), scratch.like(1, s), scratch.like(2, s)
+                d.copy_(t).sub_(s64)
+                num += float(torch.mul(d, d, out=sq).sum())
+                den += float(torch.mul(s64, s64, out=sq).sum())
+            else:  # mixed layouts: fresh tensors, as the formula reads
+                s64 = s.to(torch.float64)
+                d = t.to(torch.float64) - s64
+                num += float((d * d).sum())
+                den += float((s64 * s64).sum())
         out[j] = math.sqrt(num) / max(math.sqrt(den), FSM_EPS) if num > 0 else 0.0
     return out
 

@@ -102,7 +102,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import seeding
-from ..aggregation import weighted_average
+from ..aggregation import Scratch, dense_layout, weighted_average
 from ..errors import ConfigError
 from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
 from ..ssl.pseudo_label import PseudoLabels, kept_accuracy, pseudo_labels
@@ -219,12 +219,23 @@ def server_momentum_step(
     """
     new_state: dict[str, torch.Tensor] = {}
     new_buf: dict[str, torch.Tensor] = {}
+    scratch = Scratch.for_tensors(global_state.values(), 3)  # reused float64 buffers (issue 15)
     for k, w in global_state.items():
         if k in param_keys and w.is_floating_point():
-            g = w.double() - avg_state[k].double()
-            buf = g if k not in buffer else momentum * buffer[k].double() + g
-            new_buf[k] = buf.to(w.dtype)
-            new_state[k] = (w.double() - lr * buf).to(w.dtype)
+            old = buffer.get(k)
+            if dense_layout([w, avg_state[k], *([old] if old is not None else [])]):
+                # the same element-wise float64 arithmetic in place: g, then buf, then w - lr * buf
+                g, b, w64 = scratch.like(0, w), scratch.like(1, w), scratch.like(2, w)
+                w64.copy_(w)
+                g.copy_(w64).sub_(b.copy_(avg_state[k]))
+                buf = g if old is None else b.copy_(old).mul_(momentum).add_(g)
+                new_buf[k] = buf.to(w.dtype)
+                new_state[k] = w64.sub_(g.mul_(lr) if old is None else b.mul_(lr)).to(w.dtype)
+            else:  # mixed layouts: fresh tensors, as the formula reads
+                g = w.double() - avg_state[k].double()
+                buf = g if old is None else momentum * old.double() + g
+                new_buf[k] = buf.to(w.dtype)
+                new_state[k] = (w.double() - lr * buf).to(w.dtype)
         else:
             new_state[k] = avg_state[k].clone()
     return new_state, new_buf
