@@ -433,7 +433,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    from mobile_export.export import add_export_arguments as add
+    from mobile_export.arguments import add_export_arguments as add  # argparse only: no torch for `--help`
 
     add(parser)
 

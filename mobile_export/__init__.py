@@ -5,7 +5,8 @@ Two halves with different dependencies:
 * :mod:`mobile_export.export` (with :mod:`.verify`, :mod:`.quantize`, :mod:`.graph` for the
   ONNX edits and :mod:`.ort_format` for the ORT files and the reduced-build operator config):
   torch -> ONNX, ORT format and int8, each verified. Needs torch and the project; runs where
-  training ran.
+  training ran. Its command-line options live in :mod:`mobile_export.arguments` (argparse only,
+  so ``fedml-ssfl`` builds its parser without importing torch).
 * :mod:`mobile_export.edge_label`: the on-device runner, and the edge contract (names, dtypes,
   version) the exporter writes. numpy + onnxruntime only (and Pillow if it reads image files); it
   can be copied to a device on its own.

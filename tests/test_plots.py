@@ -125,6 +125,42 @@ def test_tensorboard_has_grouped_tags_hparams_config_and_the_plots_rounds(small_
     assert res.summary["wall_seconds"] >= res.summary["seconds_total"] > 0
 
 
+def test_the_tensorboard_writer_is_made_at_the_first_round_or_at_close(tmp_path: Path) -> None:
+    """The writer waits for the first logged round (issue 15), writing the config logged before it
+    first, at step 0 with the wall time it was logged at; a run closed before any round still gets
+    its config in TensorBoard; a run folder that went away is not re-created by the close."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def read(run: Path) -> EventAccumulator:
+        events = EventAccumulator(str(run / tracking.TB_DIR), size_guidance={"scalars": 0, "tensors": 0})
+        events.Reload()
+        return events
+
+    logged = tracking.RunTracker(tmp_path / "logged")
+    logged.log_config({"train_args": {"comm_round": 3}})
+    assert not (tmp_path / "logged" / tracking.TB_DIR).exists()  # nothing made before a round is logged
+    logged.log_round({"round": 1, "test_acc": 0.5})
+    logged.close()
+    events = read(tmp_path / "logged")
+    (config,) = events.Tensors("config/text_summary")
+    (acc,) = events.Scalars("test/acc")
+    assert config.step == 0 and "comm_round: 3" in config.tensor_proto.string_val[0].decode()
+    assert (acc.step, acc.value) == (1, 0.5) and config.wall_time <= acc.wall_time
+
+    closed = tracking.RunTracker(tmp_path / "closed")
+    closed.log_config({"train_args": {"comm_round": 4}})
+    closed.close()
+    (config,) = read(tmp_path / "closed").Tensors("config/text_summary")
+    assert "comm_round: 4" in config.tensor_proto.string_val[0].decode()
+
+    gone = tracking.RunTracker(tmp_path / "gone")
+    gone.log_config({"train_args": {"comm_round": 5}})
+    (tmp_path / "gone" / "metrics.jsonl").unlink()
+    (tmp_path / "gone").rmdir()
+    gone.close()
+    assert not (tmp_path / "gone").exists()
+
+
 def test_run_draws_its_compare_with_baselines_on_accuracy_png(tmp_path: Path, monkeypatch, capsys) -> None:
     figures = []
     real = tracking.accuracy_figure
