@@ -5,8 +5,8 @@ process (so its peak RSS is its own): a config's rounds alternate with replays o
 forward/backward passes in a plain loop, and ``ratio = round seconds / reference seconds`` is the
 federated overhead. Rows: fedavg_ssl (CRL), SemiFL, FedMatch, FedSiam and FedSEAL on cnn28 (the
 ``configs/mnist5k`` configs as they are: 10 clients, T = 16, batch 64, evaluation every round) and on
-ResNet-18 at reduced size (synthetic 3x16x16 data, 2 clients, batch 8, 2 steps; no evaluation in
-the measured rounds), all with one torch thread unless ``--threads`` says otherwise.
+ResNet-18 at reduced size (synthetic data of CIFAR-10's 3x32x32 shape, 2 clients, batch 8, 4 steps;
+no evaluation in the measured rounds), all with one torch thread unless ``--threads`` says otherwise.
 
 Writes ``benchmarks/results/round_speed.json`` and ``round_speed.png``. Usage::
 
@@ -40,12 +40,12 @@ ALGORITHMS = {
 RESNET18 = [
     "model_args.model=resnet18",
     "data_args.dataset=synthetic",
-    "data_args.synthetic_shape=[3,16,16]",
+    "data_args.synthetic_shape=[3,32,32]",
     "data_args.synthetic_num_samples=96",
     "data_args.num_server_labels=16",
     "train_args.client_num_in_total=2",
     "train_args.client_num_per_round=2",
-    "train_args.local_steps=2",
+    "train_args.local_steps=4",
     "train_args.batch_size=8",
     "validation_args.frequency_of_the_test=1000",
 ]
