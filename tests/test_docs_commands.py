@@ -85,7 +85,7 @@ EXCLUDED: dict[str, str] = {
     r"^fedml (login|launch)\b": "FedML's cloud (network, an account)",
     r"^ssh device\b": "a device reached over ssh",
     r"^python benchmarks/round_speed\.py$": (
-        "the full round-speed sweep (10 rows, ~60 min on 2 cores); its figures are committed in benchmarks/results/ "
+        "the full round-speed sweep (10 rows, ~45 min on 2 cores); its figures are committed in benchmarks/results/ "
         "and docs/performance.md's one-row --merge command runs here"
     ),
     r"^python benchmarks/stacked_clients\.py --device cuda\b": "needs a CUDA device (this CI has none)",
