@@ -52,6 +52,7 @@ from .client_state import close_client_states
 from .config import ConfigError, ExperimentConfig
 from .experiment import build_experiment, model_factory
 from .models.layout import apply_layout, model_layout
+from .models.precision import apply_precision
 from .runtime.common import RunRecorder, run_client_states
 from .runtime.local import run_round
 from .training import InputPipeline
@@ -316,14 +317,17 @@ class Reference:
     """A reference variant: its model, optimiser and inputs, built once and replayed every round.
 
     ``model`` is a freshly built model (no layout applied); ``round_layout`` is the round's
-    ``device_args.memory_format``, which the ``eager`` variant keeps.
+    ``device_args.memory_format``, which the ``eager`` variant keeps; ``autocast`` is the round's
+    ``device_args.autocast``, which every variant keeps (the reference computes in the round's precision).
     """
 
-    def __init__(self, name: str, model: nn.Module, device: torch.device, round_layout: str = "unchanged") -> None:
+    def __init__(
+        self, name: str, model: nn.Module, device: torch.device, round_layout: str = "unchanged", autocast: str = "off"
+    ) -> None:
         self.name = name
         self.flags = parse_variant(name)
         choice = next((f for f in ("channels_last", "contiguous") if f in self.flags), round_layout)
-        self.model = apply_layout(model, choice, device.type).to(device)
+        self.model = apply_precision(apply_layout(model, choice, device.type), autocast).to(device)
         self.layout = model_layout(self.model)  # the inputs are made in it: the model's pre-hook has nothing to do
         self.runner: nn.Module = self.model
         if "compile" in self.flags:
@@ -480,7 +484,8 @@ def measure_round_speed(
     factory = model_factory(cfg, exp.data_info)
     with torch.random.fork_rng(devices=[]):
         layout = getattr(cfg.device_args, "memory_format", "unchanged")  # a config from before the key: as then
-        refs = [Reference(name, factory(), exp.device, layout) for name in names]
+        autocast = getattr(cfg.device_args, "autocast", "off")
+        refs = [Reference(name, factory(), exp.device, layout, autocast) for name in names]
     per_round: list[dict[str, Any]] = []
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fedml_ssfl_bench_") as tmp:

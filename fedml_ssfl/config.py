@@ -160,6 +160,10 @@ class DeviceArgs:
     # unchanged (inputs keep the augmentation's strides, as before issue 15: reproduces earlier runs bit for
     # bit). The layouts differ only in float rounding (fedml_ssfl/models/layout.py)
     memory_format: str = "auto"
+    # the precision of every forward pass: off (float32, as the papers train; bit for bit the results from
+    # before the key) | bf16 (torch.autocast with bfloat16; weights, optimiser state and everything computed
+    # from the logits stay float32; fedml_ssfl/models/precision.py, docs/performance.md "Mixed precision")
+    autocast: str = "off"
 
 
 @dataclass
@@ -215,6 +219,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train_args.client_optimizer": ("sgd",),
     "device_args.device": ("cpu", "cuda"),
     "device_args.memory_format": ("auto", "channels_last", "contiguous", "unchanged"),  # models/layout.py
+    "device_args.autocast": ("off", "bf16"),  # models/precision.py
     "comm_args.backend": ("local", "MPI", "GRPC"),
     "comm_args.mode": ("simulation", "deployment"),
 }
@@ -379,6 +384,8 @@ def coerce_value(where: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if value is False and "off" in CHOICES.get(where, ()):
+            return "off"  # YAML 1.1 reads a bare `off` as false
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value
 

@@ -22,6 +22,7 @@ from .config import ConfigError, ExperimentConfig, partition_options
 from .data import ImageDataset, Split, build_split, load_dataset
 from .models import build_model
 from .models.layout import apply_layout
+from .models.precision import apply_precision, check_autocast_device
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,18 @@ class Experiment:
 
 
 def resolve_device(cfg: ExperimentConfig) -> torch.device:
-    """The torch device named by ``device_args``, with a clear error when CUDA is absent."""
+    """The torch device named by ``device_args``, with a clear error when CUDA is absent or the device
+    cannot run ``device_args.autocast`` (:func:`~fedml_ssfl.models.precision.check_autocast_device`)."""
     if cfg.device_args.device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device_args.device: 'cuda' was asked for but no CUDA device is visible; use 'cpu'")
-        return torch.device("cuda", cfg.device_args.gpu_id)
-    return torch.device("cpu")
+        device = torch.device("cuda", cfg.device_args.gpu_id)
+    else:
+        device = torch.device("cpu")
+    problem = check_autocast_device(cfg.device_args.autocast, device)
+    if problem is not None:
+        raise ConfigError(problem)
+    return device
 
 
 def deployed(cfg: ExperimentConfig) -> bool:
@@ -273,6 +280,7 @@ def make_algorithm(
     """
     factory = model_factory(cfg, info)
     memory_format = cfg.device_args.memory_format
+    autocast = cfg.device_args.autocast
 
     def model_fn() -> nn.Module:
         # Initialisation draws from torch's global stream; forking it keeps every model build (the
@@ -280,7 +288,7 @@ def make_algorithm(
         # shifting the dropout masks that later draws in the same stream would see.
         with torch.random.fork_rng(devices=[]):
             model = factory()
-        return apply_layout(model, memory_format, device.type)
+        return apply_precision(apply_layout(model, memory_format, device.type), autocast)
 
     seeding.seed_everything(cfg.common_args.random_seed)
     return registry.create(

@@ -89,6 +89,9 @@ EXCLUDED: dict[str, str] = {
         "and docs/performance.md's one-row --merge command runs here"
     ),
     r"^python benchmarks/stacked_clients\.py --device cuda\b": "needs a CUDA device (this CI has none)",
+    r"^(python benchmarks/autocast_step\.py --device cuda|fedml-ssfl (bench|run) .*--set device_args\.device=cuda)\b": (
+        "needs a CUDA device (this CI has none): docs/performance.md's GPU measurements of device_args.autocast"
+    ),
     r"^python benchmarks/state_memory\.py$": (
         "a benchmark sweep (K up to 10,000, minutes); its figures are committed in benchmarks/results/ and "
         "tests/test_client_state.py tests the store it measures"
@@ -103,6 +106,7 @@ RUN: dict[str, str | None] = {
     r"^python (-c |-m mobile_export |edge_label\.py )": None,
     # smoke-sized by FEDML_SSFL_SET (round_speed, first_round) or by their own arguments
     r"^python benchmarks/(round_speed\.py --rows |first_round\.py |stacked_clients\.py --algorithms )": None,
+    r"^python benchmarks/autocast_step\.py --steps ": None,  # CPU, its own step count (seconds)
     r"^fedml federate build ": None,  # packs the workspace locally, offline
     r"^\. \.venv/bin/activate$": None,
     r"^export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1$": None,
