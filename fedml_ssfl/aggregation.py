@@ -107,7 +107,7 @@ def weighted_average(
                 term = torch.empty_like(acc)
             for s, w in zip(states, weights):
                 acc.add_(term.copy_(s[k]).mul_(w / total))
-            out[k] = acc.to(ref.dtype)
+            out[k] = acc.to(ref.dtype, copy=True)  # a copy even for float64: acc may be a scratch view
         else:
             out[k] = torch.stack([s[k] for s in states]).amax(dim=0)
     return out

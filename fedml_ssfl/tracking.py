@@ -423,7 +423,10 @@ class RunTracker:
         """Close the TensorBoard writer (made now when no round was logged, so the config is written)."""
         if self._tb_due and not self.run_dir.is_dir():  # the run folder went away: re-create nothing in it
             self._tb_due = False
-        writer = self._writer()
-        if writer is not None:
-            writer.close()
-            self._tb = None
+        try:
+            writer = self._writer()
+            if writer is not None:
+                writer.close()
+        except OSError as exc:  # close runs in a run's finally: never replace the run's own error
+            log.warning("could not write the TensorBoard events under %s: %s", self.run_dir / "tb", exc)
+        self._tb = None

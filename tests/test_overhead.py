@@ -174,6 +174,23 @@ def test_server_momentum_step_is_the_former_formula_bit_for_bit(channels_last):
         assert all(same_bits(before[k], after[k]) for k in before if before[k].is_floating_point())
 
 
+def test_float64_results_are_not_views_of_the_reused_buffers():
+    """A float64 tensor's ``.to(float64)`` is itself: the results must still be copies, or the next
+    tensor's use of the same scratch buffer overwrites them (and SemiFL's ``g.mul_(lr)`` scales them)."""
+    a = {"x": torch.tensor([1.0, 2.0], dtype=torch.float64), "y": torch.tensor([10.0, 20.0], dtype=torch.float64)}
+    b = {"x": torch.tensor([3.0, 4.0], dtype=torch.float64), "y": torch.tensor([30.0, 40.0], dtype=torch.float64)}
+    avg = weighted_average([a, b], [1.0, 1.0])
+    assert avg["x"].tolist() == [2.0, 3.0] and avg["y"].tolist() == [20.0, 30.0]
+    keys = {"x", "y"}
+    for buffer in ({}, {k: torch.ones(2, dtype=torch.float64) for k in keys}):
+        new_state, new_buf = server_momentum_step(a, b, buffer, 0.5, 0.9, keys)
+        for k in keys:
+            g = a[k] - b[k]
+            want_buf = g if not buffer else 0.9 * buffer[k] + g
+            assert torch.equal(new_buf[k], want_buf), (k, new_buf[k], want_buf)
+            assert torch.equal(new_state[k], a[k] - 0.5 * want_buf), k
+
+
 # ---- sparse deltas -----------------------------------------------------------------------------------------
 def test_keep_mask_is_the_former_mask_for_every_threshold_and_special_value():
     g = torch.Generator().manual_seed(1)

@@ -161,6 +161,20 @@ def test_the_tensorboard_writer_is_made_at_the_first_round_or_at_close(tmp_path:
     assert not (tmp_path / "gone").exists()
 
 
+def test_a_tensorboard_write_failing_at_close_is_a_warning(tmp_path: Path, monkeypatch, caplog) -> None:
+    """``close`` runs in a run's ``finally``: a full disk there must not replace the run's own error."""
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tracking, "_summary_writer", no_space)
+    tracker = tracking.RunTracker(tmp_path / "full")
+    tracker.log_config({"train_args": {"comm_round": 3}})
+    with caplog.at_level("WARNING", logger="fedml_ssfl.tracking"):
+        tracker.close()
+    assert "could not write the TensorBoard events" in caplog.text and "No space left" in caplog.text
+
+
 def test_run_draws_its_compare_with_baselines_on_accuracy_png(tmp_path: Path, monkeypatch, capsys) -> None:
     figures = []
     real = tracking.accuracy_figure

@@ -229,8 +229,8 @@ def server_momentum_step(
                 w64.copy_(w)
                 g.copy_(w64).sub_(b.copy_(avg_state[k]))
                 buf = g if old is None else b.copy_(old).mul_(momentum).add_(g)
-                new_buf[k] = buf.to(w.dtype)
-                new_state[k] = w64.sub_(g.mul_(lr) if old is None else b.mul_(lr)).to(w.dtype)
+                new_buf[k] = buf.to(w.dtype, copy=True)  # copies even for float64: g, b, w64 are scratch views
+                new_state[k] = w64.sub_(g.mul_(lr) if old is None else b.mul_(lr)).to(w.dtype, copy=True)
             else:  # mixed layouts: fresh tensors, as the formula reads
                 g = w.double() - avg_state[k].double()
                 buf = g if old is None else momentum * old.double() + g
