@@ -23,6 +23,7 @@ from .data import ImageDataset, Split, build_split, load_dataset
 from .models import build_model
 from .models.layout import apply_layout
 from .models.precision import apply_precision, check_autocast_device
+from .stacked import refuse_random_layers
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,9 @@ def make_algorithm(
             model = factory()
         return apply_precision(apply_layout(model, memory_format, device.type), autocast)
 
+    if cfg.train_args.stack_clients:  # refused here, before a run folder exists, not at round 1
+        with torch.random.fork_rng(devices=[]):
+            refuse_random_layers(factory())
     seeding.seed_everything(cfg.common_args.random_seed)
     return registry.create(
         cfg.algorithm,

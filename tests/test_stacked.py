@@ -300,6 +300,24 @@ def test_dropout_is_refused() -> None:
     stacked.refuse_random_layers(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
 
 
+def test_a_dropout_model_is_refused_before_the_run_starts(small_config, tmp_path) -> None:
+    """``emnist_cnn`` has dropout: the experiment is not built, so no run folder is made."""
+    from fedml_ssfl.runtime.local import run_local
+
+    cfg = small_config(
+        "ssfl_args.algorithm=fedavg_sl",
+        "data_args.dataset=mnist5k",
+        "model_args.model=emnist_cnn",
+        "model_args.norm=none",
+        "train_args.stack_clients=true",
+    )
+    with pytest.raises(ConfigError, match=r"train_args\.stack_clients: the model has dropout"):
+        build_experiment(cfg)
+    with pytest.raises(ConfigError, match=r"the model has dropout"):
+        run_local(cfg)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
 def test_non_finite_loss_names_the_client() -> None:
     train = TrainSettings(local_steps=2, batch_size=4, momentum=0.0)
     jobs = tiny_jobs([8, 8, 8], train, "gn")
