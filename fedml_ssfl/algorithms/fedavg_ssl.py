@@ -191,18 +191,18 @@ class FedAvgSSL(JobAlgorithm):
 
     name = "fedavg_ssl"
     config_class = FedAvgSSLConfig
+    _param_names: list[str] | None = None  # the model's parameter names, found on first use (client or server)
 
     def setup(self) -> None:
         super().setup()
         self.group_states: dict[int, dict[str, torch.Tensor]] = {}
         self.server_momentum: dict[str, torch.Tensor] = {}
         self.bootstrapped = self.config.bootstrap_steps == 0
-        self._param_names: list[str] | None = None
 
     # ---- shared ------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
         """State-dict keys of the model's parameters (what is averaged by default)."""
-        if getattr(self, "_param_names", None) is None:  # a FedML worker's client side never runs setup()
+        if self._param_names is None:
             with torch.random.fork_rng(devices=[]):  # building a model must not move the seeded streams
                 self._param_names = [name for name, _ in self.model_fn().named_parameters()]
         return self._param_names
