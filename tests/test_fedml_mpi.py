@@ -104,7 +104,11 @@ def mpi_env(**extra: str) -> dict[str, str]:
 
 def mpirun(n: int, args: list[str], env: dict[str, str] | None = None, timeout: int = JOB_TIMEOUT):
     cmd = [str(MPIRUN), "--oversubscribe", "-np", str(n), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or mpi_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or mpi_env())
+    # mpirun's output forwarding can put a NUL byte between two ranks' writes when the job is aborted
+    # (seen in CI: "\x00fedml-ssfl: error: rank 0: ..."); it is not part of any process's own line
+    proc.stdout, proc.stderr = proc.stdout.replace("\x00", ""), proc.stderr.replace("\x00", "")
+    return proc
 
 
 def fedml_config(tmp: Path, *overrides: str) -> ExperimentConfig:
