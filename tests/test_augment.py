@@ -39,6 +39,42 @@ def test_weak_is_a_pure_shift() -> None:
     assert len(offsets) > 3  # samples draw their own shifts
 
 
+@pytest.mark.parametrize(
+    ("shape", "pad"), [((7, 1, 28, 28), 3), ((6, 3, 5, 9), 2), ((5, 2, 4, 6), 4), ((3, 1, 3, 3), 5)]
+)
+def test_shift_crop_equals_padding_then_cropping(shape, pad) -> None:
+    """The gather that never builds the padded image gives F.pad's crops exactly: reflect, and replicate
+    where the pad is not below a side (both sides then, as F.pad would be called)."""
+    from fedml_ssfl.data.augment import shift_crop
+
+    n, _, h, w = shape
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(pad))
+    offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=torch.Generator().manual_seed(h))
+    offsets[0] = torch.tensor([0, 2 * pad])  # the corners of the range
+    padded = F.pad(x, (pad, pad, pad, pad), mode="reflect" if pad < min(h, w) else "replicate")
+    expected = torch.stack([padded[i, :, r : r + h, c : c + w] for i, (r, c) in enumerate(offsets.tolist())])
+    assert torch.equal(shift_crop(x, pad, offsets), expected)
+    assert torch.equal(shift_crop(x.to(memory_format=torch.channels_last), pad, offsets), expected)
+    # one channel keeps the strides of the former crop (a permuted gather): the strong view's
+    # sharpness conv2d rounds by the layout, so they keep the images of earlier versions
+    assert shift_crop(x, pad, offsets).stride() == ((h * w, 1, w, 1) if shape[1] == 1 else expected.stride())
+
+
+def test_the_warp_grid_is_affine_grids() -> None:
+    """The element-wise grid gives F.affine_grid's coordinates (within float rounding: its batched
+    matrix product may fuse the multiply-adds on another CPU), for rotations, shears, translations and
+    arbitrary matrices, any size."""
+    from fedml_ssfl.data.augment import _affine_grid, _warp_thetas
+
+    gen = torch.Generator().manual_seed(0)
+    ops = torch.tensor([OP_NAMES.index(n) for n in ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY")] * 4)
+    level, sign = torch.rand(len(ops), generator=gen), torch.where(torch.rand(len(ops), generator=gen) < 0.5, -1.0, 1.0)
+    for theta in (_warp_thetas(ops, level, sign), torch.randn(9, 2, 3, generator=gen) * 3):
+        for h, w in ((28, 28), (32, 32), (7, 13)):
+            expected = F.affine_grid(theta, [len(theta), 1, h, w], align_corners=False)
+            torch.testing.assert_close(_affine_grid(theta, h, w), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_weak_flip_false_never_flips() -> None:
     # pad 0: only flips could change the image
     x = batch(64, 3, 8)

@@ -22,6 +22,7 @@ Deviations from RandAugmentMC (PIL on one image at a time), all small:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -123,15 +124,30 @@ def shift_crop(x: torch.Tensor, pad: int, offsets: torch.Tensor) -> torch.Tensor
     """
     if pad == 0:
         return x
-    n, _, h, w = x.shape
-    mode = "reflect" if pad < min(h, w) else "replicate"
-    padded = F.pad(x, (pad, pad, pad, pad), mode=mode)
+    n, c, h, w = x.shape
+    # the padded image is never built: each output pixel reads the input pixel the padding would have
+    # put there (a pure copy, so exactly the padded-and-cropped values), one gather for the batch
     offsets = offsets.to(x.device)
-    rows = offsets[:, 0:1] + torch.arange(h, device=x.device)  # (N, H)
-    cols = offsets[:, 1:2] + torch.arange(w, device=x.device)  # (N, W)
-    batch = torch.arange(n, device=x.device).view(n, 1, 1)
-    out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # (N, H, W, C)
-    return out.permute(0, 3, 1, 2).contiguous()
+    reflect = pad < min(h, w)  # reflect padding is undefined for a pad as wide as a side: replicate
+    rows = _padded_source(h, pad, reflect, x.device)[offsets[:, 0:1] + torch.arange(h, device=x.device)]  # (N, H)
+    cols = _padded_source(w, pad, reflect, x.device)[offsets[:, 1:2] + torch.arange(w, device=x.device)]  # (N, W)
+    flat = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+    out = torch.gather(x.reshape(n, c, h * w), 2, flat)
+    if c == 1:
+        # the strides the former pad-and-index crop left on one channel, (HW, 1, W, 1): PyTorch reads
+        # them as channels_last, and the sharpness blur's conv2d rounds by the layout, so this keeps
+        # the strong view's images bit for bit
+        return out.view(n, h, w, 1).permute(0, 3, 1, 2)
+    return out.view(n, c, h, w)
+
+
+def _padded_source(size: int, pad: int, reflect: bool, device: torch.device) -> torch.Tensor:
+    """For each position of a side padded by ``pad`` (``size + 2 pad``), the input position it copies:
+    ``F.pad``'s "reflect" (the edge pixel not repeated) or "replicate"."""
+    at = torch.arange(-pad, size + pad, device=device)
+    if reflect:
+        return torch.where(at < 0, -at, torch.where(at >= size, 2 * (size - 1) - at, at))
+    return at.clamp(0, size - 1)
 
 
 def weak_augment(x: torch.Tensor, generator: torch.Generator, *, flip: bool, pad: int | None = None) -> torch.Tensor:
@@ -266,74 +282,62 @@ def _sharpness(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torc
 
 def _affine(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """Warp by per-sample 2x3 matrices (output -> input, normalised coords); outside is black (PIL)."""
-    grid = F.affine_grid(theta.to(x.device, x.dtype), list(x.shape), align_corners=False)
+    grid = _affine_grid(theta.to(x.device, x.dtype), x.shape[2], x.shape[3])
     return F.grid_sample(x - _FILL, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + _FILL
 
 
-def _eye(m: int) -> torch.Tensor:
-    return torch.eye(2, 3).repeat(m, 1, 1)
+_WARP_OPS = ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY")
+"""The geometric ops: each is a per-sample 2x3 matrix (:func:`_warp_thetas`), so one warp applies any
+mix of them to a batch."""
+_ROTATE, _SHEAR_X, _SHEAR_Y, _TRANSLATE_X, _TRANSLATE_Y = (OP_NAMES.index(name) for name in _WARP_OPS)
 
 
-def _rotate_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+def _warp_thetas(op_ids: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """Per-sample 2x3 matrices (CPU, output -> input, normalised coordinates) of geometric ops:
+    rotation by ``sign 30 level`` degrees, shear by ``sign 0.3 level``, translation by ``sign 0.3
+    level`` of the side (RandAugmentMC's ranges). ``op_ids`` (M,) holds one geometric op id per sample."""
     angle = torch.deg2rad(sign * _MAX_ROTATE_DEG * level)
-    theta = _eye(len(level))
-    theta[:, 0, 0], theta[:, 0, 1] = torch.cos(angle), -torch.sin(angle)
-    theta[:, 1, 0], theta[:, 1, 1] = torch.sin(angle), torch.cos(angle)
-    return theta
+    rotate, zero, one = op_ids == _ROTATE, torch.zeros(()), torch.ones(())
+    shear, shift = sign * _MAX_SHEAR * level, 2.0 * sign * _MAX_TRANSLATE * level
+    cos, sin = torch.where(rotate, torch.cos(angle), one), torch.where(rotate, torch.sin(angle), zero)
+    neg_sin = torch.where(rotate, -torch.sin(angle), zero)  # not -sin: no -0.0 where nothing rotates
+    theta = torch.stack(
+        [
+            cos,
+            torch.where(op_ids == _SHEAR_X, shear, neg_sin),
+            torch.where(op_ids == _TRANSLATE_X, shift, zero),
+            torch.where(op_ids == _SHEAR_Y, shear, sin),
+            cos,
+            torch.where(op_ids == _TRANSLATE_Y, shift, zero),
+        ],
+        dim=1,
+    )
+    return theta.view(-1, 2, 3)
 
 
-def _shear_x_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 0, 1] = sign * _MAX_SHEAR * level
-    return theta
+@lru_cache(maxsize=8)
+def _base_grid(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output pixels' normalised (x, y) coordinates, each ``(1, H, W)`` (``align_corners=False``)."""
+    base = F.affine_grid(torch.eye(2, 3, dtype=dtype, device=device)[None], [1, 1, h, w], align_corners=False)
+    return base[..., 0].clone(), base[..., 1].clone()
 
 
-def _shear_y_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 1, 0] = sign * _MAX_SHEAR * level
-    return theta
+def _affine_grid(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """``F.affine_grid(theta, (N, C, h, w), align_corners=False)`` at half its cost on CPU: the
+    coordinates are built once per size, and each sample's 3-term sums are element-wise (in the order
+    ``x t0 + y t1 + t2``, which gives the same values as its batched matrix product here; a test checks)."""
+    xs, ys = _base_grid(h, w, theta.dtype, theta.device)
+    t = theta.reshape(-1, 6, 1, 1)
+    grid_x = (xs * t[:, 0]).add_(ys * t[:, 1]).add_(t[:, 2])
+    grid_y = (xs * t[:, 3]).add_(ys * t[:, 4]).add_(t[:, 5])
+    return torch.stack([grid_x, grid_y], dim=-1)
 
 
-def _translate_x_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 0, 2] = 2.0 * sign * _MAX_TRANSLATE * level
-    return theta
+def _warp_op(op_id: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    def warp(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+        return _affine(x, _warp_thetas(torch.full(level.shape, op_id), level, sign))
 
-
-def _translate_y_theta(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    theta = _eye(len(level))
-    theta[:, 1, 2] = 2.0 * sign * _MAX_TRANSLATE * level
-    return theta
-
-
-_THETAS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "Rotate": _rotate_theta,
-    "ShearX": _shear_x_theta,
-    "ShearY": _shear_y_theta,
-    "TranslateX": _translate_x_theta,
-    "TranslateY": _translate_y_theta,
-}
-"""The geometric ops as per-sample 2x3 matrices (CPU): one warp applies any mix of them to a batch."""
-
-
-def _rotate(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    return _affine(x, _rotate_theta(level, sign))
-
-
-def _shear_x(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    return _affine(x, _shear_x_theta(level, sign))
-
-
-def _shear_y(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    return _affine(x, _shear_y_theta(level, sign))
-
-
-def _translate_x(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    return _affine(x, _translate_x_theta(level, sign))
-
-
-def _translate_y(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    return _affine(x, _translate_y_theta(level, sign))
+    return warp
 
 
 _Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -346,17 +350,17 @@ _OPS: dict[str, _Op] = {
     "Contrast": _contrast,
     "Equalize": _equalize,
     "Posterize": _posterize,
-    "Rotate": _rotate,
+    "Rotate": _warp_op(_ROTATE),
     "Sharpness": _sharpness,
-    "ShearX": _shear_x,
-    "ShearY": _shear_y,
+    "ShearX": _warp_op(_SHEAR_X),
+    "ShearY": _warp_op(_SHEAR_Y),
     "Solarize": _solarize,
-    "TranslateX": _translate_x,
-    "TranslateY": _translate_y,
+    "TranslateX": _warp_op(_TRANSLATE_X),
+    "TranslateY": _warp_op(_TRANSLATE_Y),
 }
 
 # geometric ops take their parameters on the CPU (they build matrices there); the rest on x's device
-_GEOMETRIC = set(_THETAS)
+_GEOMETRIC = set(_WARP_OPS)
 _IDENTITY = OP_NAMES.index("Identity")
 
 
@@ -527,26 +531,33 @@ def strong_augment(
     side = default_cutout(h) if cutout is None else cutout
     sides, centres = _sample_cutout(n, h, w, side, generator)
     x = x.clone()
-    op_rows, applied_rows = ops.tolist(), applied.tolist()
+    warp_key, skip_key = len(OP_NAMES), -1
+    is_warp = torch.zeros(len(OP_NAMES) + 1, dtype=torch.bool)
+    is_warp[[OP_NAMES.index(name) for name in _WARP_OPS]] = True
     for slot in range(num_ops):
-        # the samples each op applies to in this slot (one op per sample: the groups are disjoint)
-        groups: dict[int, list[int]] = {}
-        for i in range(n):
-            if applied_rows[i][slot] and op_rows[i][slot] != _IDENTITY:
-                groups.setdefault(op_rows[i][slot], []).append(i)
-        warp: list[tuple[list[int], torch.Tensor]] = []
-        for op_id, members in sorted(groups.items()):
-            idx = torch.tensor(members)
-            name = OP_NAMES[op_id]
-            if name in _THETAS:  # geometric: its matrices join the slot's one warp
-                warp.append((members, _THETAS[name](levels[idx, slot], signs[idx, slot])))
-                continue
-            dev_idx = idx.to(x.device)
-            # x[idx] keeps x's strides (index_select would not), and the sharpness blur's conv2d rounds
-            # differently in another memory layout
-            x[dev_idx] = apply_op(x[dev_idx], op_id, levels[idx, slot], signs[idx, slot])
-        if warp:
-            dev_idx = torch.tensor([i for members, _ in warp for i in members]).to(x.device)
-            x[dev_idx] = _affine(x[dev_idx], torch.cat([theta for _, theta in warp])).clamp_(0.0, 1.0)
+        # each sample's group in this slot: its op, one warp for every geometric op, or none; sorted by
+        # group (stable: sample order within), each group is a slice of one gathered sub-batch
+        key = ops[:, slot].clone()
+        key[is_warp[key]] = warp_key
+        key[~applied[:, slot] | (key == _IDENTITY)] = skip_key
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key + 1, minlength=len(OP_NAMES) + 2).tolist()
+        chosen = order[counts[0] :]  # counts[0]: the samples no op changes in this slot
+        if len(chosen) == 0:
+            continue
+        dev_chosen = chosen.to(x.device)
+        # x[...] keeps x's strides (index_select would not), and the sharpness blur's conv2d rounds
+        # differently in another memory layout; a slice of it keeps them too
+        sub, lv, sg = x[dev_chosen], levels[chosen, slot], signs[chosen, slot]
+        start = 0
+        for op_id, count in enumerate(counts[1:-1]):
+            if count:
+                part = slice(start, start + count)
+                sub[part] = apply_op(sub[part], op_id, lv[part], sg[part])
+                start += count
+        if start < len(chosen):
+            part = slice(start, None)
+            sub[part] = _affine(sub[part], _warp_thetas(ops[chosen[part], slot], lv[part], sg[part])).clamp_(0.0, 1.0)
+        x[dev_chosen] = sub
     out = apply_cutout(x, sides, centres).clamp_(0.0, 1.0) if side > 0 else x.clamp_(0.0, 1.0)
     return (out, torch.where(applied, ops, -1)) if return_ops else out
