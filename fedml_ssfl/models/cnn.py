@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .norm import make_norm
+from .pooling import MaxPool2x2
 from .registry import register_model
 
 CNN28_GN_GROUPS = 8
@@ -68,7 +69,7 @@ class CNN28(nn.Module):
         self.conv3 = nn.Conv2d(32, 64, 3, padding=1, bias=bias)
         self.norm3 = make_norm(norm, 64, CNN28_GN_GROUPS)
         self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(2)
+        self.maxpool = MaxPool2x2()
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(64, num_classes)
 
@@ -116,7 +117,7 @@ class EMNISTCNN(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, 32, 3)
         self.conv2 = nn.Conv2d(32, 64, 3)
         self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(2)
+        self.maxpool = MaxPool2x2()
         self.dropout1 = nn.Dropout(0.25)
         self.dense = nn.Linear(9216, 128)
         self.dropout2 = nn.Dropout(0.5)

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .norm import make_norm
+from .pooling import MaxPool2x2
 from .registry import register_model
 
 FEDSIAM_GN_GROUPS = 32
@@ -62,7 +63,7 @@ class FedSiamMNISTCNN(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 10, 5)
         self.conv2 = nn.Conv2d(10, 20, 5)
-        self.maxpool = nn.MaxPool2d(2)
+        self.maxpool = MaxPool2x2()
         self.relu = nn.ReLU(inplace=True)
         self.dense = nn.Linear(320, 50)
         self.fc = nn.Linear(50, num_classes)
@@ -105,7 +106,7 @@ class FedSiamCIFARCNN(nn.Module):
         self.norm5 = make_norm(norm, 256, FEDSIAM_GN_GROUPS)
         self.conv6 = nn.Conv2d(256, 256, 3, padding=1)
         self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(2)
+        self.maxpool = MaxPool2x2()
         self.drop_conv = nn.Dropout(0.05)
         side = image_size // 8
         self.dense1 = nn.Linear(256 * side * side, 1024)

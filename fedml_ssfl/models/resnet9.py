@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .norm import make_norm
+from .pooling import MaxPool2x2
 from .registry import register_model
 
 RESNET9_GN_GROUPS = 32
@@ -106,10 +107,10 @@ class ResNet9(nn.Module):
     def __init__(self, num_classes: int, in_channels: int = 3, norm: str = "none") -> None:
         super().__init__()
         self.prep = ConvBlock(in_channels, 64, norm)
-        self.layer1 = nn.Sequential(ConvBlock(64, 128, norm), nn.MaxPool2d(2))
+        self.layer1 = nn.Sequential(ConvBlock(64, 128, norm), MaxPool2x2())
         self.res1 = Residual(128, norm)
-        self.layer2 = nn.Sequential(ConvBlock(128, 256, norm), nn.MaxPool2d(2))
-        self.layer3 = nn.Sequential(ConvBlock(256, 512, norm), nn.MaxPool2d(2))
+        self.layer2 = nn.Sequential(ConvBlock(128, 256, norm), MaxPool2x2())
+        self.layer3 = nn.Sequential(ConvBlock(256, 512, norm), MaxPool2x2())
         self.res3 = Residual(512, norm)
         self.fc = nn.Linear(512, num_classes)
         for m in self.modules():
