@@ -10,12 +10,19 @@ updated again (spilled ones read back), and one checkpoint written, through the 
 ``open_client_states`` / ``client_state_payload`` / ``save_checkpoint``. Without a budget every
 state stays in memory; with one the least recently used ones spill to disk.
 
+``--server-records`` adds, for FedMatch, the server's own records per client (``views`` and
+``client_psi``, as one real ``aggregate`` leaves them for client 0): K of each kept as the runtime
+keeps them (a store each, the budget split evenly between the client states and the two maps,
+checkpointed through ``server_records_payload``). Off by default, so the documented sweep (client
+states alone) reproduces.
+
 Writes ``benchmarks/results/state_memory.json`` and ``state_memory.png`` (peak RSS against K, log x).
 
 Usage::
 
     python benchmarks/state_memory.py                       # budgets: none, 32 MiB
     python benchmarks/state_memory.py --budgets 0 16 256 --ks 10 100 1000
+    python benchmarks/state_memory.py --algorithms fedmatch --ks 100 --server-records
 """
 
 from __future__ import annotations
@@ -69,8 +76,12 @@ def _ru_maxrss_bytes() -> int:
 
 
 # ---- the template: the state one real client_update leaves ----------------------------------------
-def make_template(algorithm: str):
-    """The persistent state client 0 holds after one real round of ``algorithm`` (shipped config)."""
+def make_template(algorithm: str) -> dict:
+    """What one real round of ``algorithm`` (shipped config) leaves for client 0.
+
+    ``{"client": its persistent state, "records": {name: the server's record of it}}`` (records: the
+    algorithm's ``client_records``, FedMatch's ``views`` and ``client_psi``; empty for the others).
+    """
     import torch
 
     from fedml_ssfl.algorithms.base import ClientContext
@@ -89,8 +100,9 @@ def make_template(algorithm: str):
     msg = algo.message_for(0, 0)
     state: dict = {}
     ctx = ClientContext(round_idx=0, device=torch.device("cpu"), seed=cfg.common_args.random_seed)
-    algo.client_update(msg, exp.client_data(0, 0), state, ctx)
-    return state
+    reply = algo.client_update(msg, exp.client_data(0, 0), state, ctx)
+    algo.aggregate({0: reply}, 0)
+    return {"client": state, "records": {name: getattr(algo, name)[0] for name in algo.client_records}}
 
 
 def _own_copy(template, k: int):
@@ -98,6 +110,9 @@ def _own_copy(template, k: int):
     import torch
 
     if isinstance(template, torch.Tensor):
+        if template.is_sparse:  # FedMatch's client_psi where psi is sparse: values of its own
+            t = template.coalesce()
+            return torch.sparse_coo_tensor(t.indices(), _own_copy(t.values(), k), t.shape).coalesce()
         t = template.clone()
         if t.numel() and t.is_floating_point():
             t.view(-1)[0] += k
@@ -110,8 +125,9 @@ def _own_copy(template, k: int):
 
 
 # ---- one measurement, in its own process -------------------------------------------------------------
-def measure(template_path: str, K: int, budget_mb: float, work: str) -> dict:
-    """Peak RSS of K clients' states under ``budget_mb`` (0: none), as the runtime keeps them."""
+def measure(template_path: str, K: int, budget_mb: float, work: str, server_records: bool = False) -> dict:
+    """Peak RSS of K clients' states (and with ``server_records`` the server's records of them) under
+    ``budget_mb`` (0: none), as the runtime keeps them."""
     import torch
 
     from fedml_ssfl.checkpoint import save_checkpoint
@@ -124,27 +140,40 @@ def measure(template_path: str, K: int, budget_mb: float, work: str) -> dict:
         prune_state_files,
         state_size,
     )
+    from fedml_ssfl.runtime.common import server_records_payload
 
     torch.set_num_threads(1)
-    template = torch.load(template_path, weights_only=True)
+    loaded = torch.load(template_path, weights_only=True)
+    template, record_templates = loaded["client"], loaded["records"] if server_records else {}
     base = _maxrss_bytes()
     t0 = time.perf_counter()
     work_dir = Path(work)
-    budget = int(budget_mb * 2**20) if budget_mb > 0 else None
+    # split as the runtime's state_budget does: client states and each record map an even share
+    budget = int(budget_mb * 2**20) // (1 + len(record_templates)) if budget_mb > 0 else None
     states = open_client_states(range(K), budget, work_dir / "spill" if budget is not None else None)
-    for k in range(K):  # every client's first update
+    records = {
+        name: open_client_states((), budget, work_dir / f"spill-{name}" if budget is not None else None)
+        for name in record_templates
+    }
+    for k in range(K):  # every client's first update (and the server's records of it)
         states[k].update(_own_copy(template, k))
+        for name, rec in record_templates.items():
+            records[name][k] = _own_copy(rec, k)
     g = torch.Generator().manual_seed(0)
     for k in torch.randperm(K, generator=g)[: min(K, SECOND_PASS)].tolist():  # a round: read back, replaced
         state = states[k]
         state.update(_own_copy(state, 1))
+        for store in records.values():
+            store[k] = _own_copy(store[k], 1)
     t_update = time.perf_counter() - t0
-    disk_spill = (
-        sum(p.stat().st_size for p in states.spill_dir.glob("*.pt")) if isinstance(states, ClientStateStore) else 0
-    )
+    stores = [s for s in (states, *records.values()) if isinstance(s, ClientStateStore)]
+    disk_spill = sum(p.stat().st_size for s in stores for p in s.spill_dir.glob("*.pt"))
     ckpt = work_dir / "checkpoints" / "last.pt"
     payload = client_state_payload(states, ckpt.parent / STATES_DIR)
-    save_checkpoint(ckpt, {"round": 0, **payload})
+    algo_state = dict(records)  # bound stores go in as themselves, as FedMatch.state_dict hands them over
+    bound = {name: r for name, r in records.items() if isinstance(r, ClientStateStore)}
+    payload.update(server_records_payload(algo_state, bound, ckpt.parent / STATES_DIR))
+    save_checkpoint(ckpt, {"round": 0, "algorithm": algo_state, **payload})
     prune_state_files(ckpt.parent / STATES_DIR, payload)
     t_total = time.perf_counter() - t0
     disk_ckpt = sum(p.stat().st_size for p in ckpt.parent.rglob("*") if p.is_file())
@@ -153,7 +182,9 @@ def measure(template_path: str, K: int, budget_mb: float, work: str) -> dict:
         "K": K,
         "budget_mib": budget_mb,
         "state_bytes": state_size(template),
-        "all_states_mib": _mib(K * state_size(template)),
+        "server_records": sorted(record_templates),
+        "record_bytes": sum(state_size(r) for r in record_templates.values()),
+        "all_states_mib": _mib(K * (state_size(template) + sum(state_size(r) for r in record_templates.values()))),
         "peak_rss_mib": _mib(peak),
         "ru_maxrss_mib": _mib(_ru_maxrss_bytes()),
         "baseline_rss_mib": _mib(base),
@@ -163,14 +194,16 @@ def measure(template_path: str, K: int, budget_mb: float, work: str) -> dict:
         "spill_disk_mib": _mib(disk_spill),
         "checkpoint_disk_mib": _mib(disk_ckpt),
     }
-    if isinstance(states, ClientStateStore):
+    if stores:
         row.update(
-            spills=states.spills,
-            loads=states.loads,
-            peak_resident_mib=_mib(states.peak_resident_bytes),
-            checkpoint_files=len(payload.get("client_state_files", {})),
+            spills=sum(s.spills for s in stores),
+            loads=sum(s.loads for s in stores),
+            peak_resident_mib=_mib(sum(s.peak_resident_bytes for s in stores)),  # summed peaks: an upper bound
+            checkpoint_files=len(payload.get("client_state_files", {}))
+            + sum(len(d) for d in payload.get("server_record_files", {}).values()),
         )
-    close_client_states(states)
+    for s in (states, *records.values()):
+        close_client_states(s)
     return row
 
 
@@ -226,13 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", nargs="+", type=int, default=[10, 100, 1000, 10000])
     parser.add_argument("--budgets", nargs="+", type=float, default=[0, 32], help="MiB; 0: no budget")
     parser.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument(
+        "--server-records", action="store_true", help="FedMatch: keep the server's views and client_psi too"
+    )
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "state_memory"))
-    parser.add_argument("--child", nargs=4, metavar=("TEMPLATE", "K", "BUDGET", "WORK"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", nargs=5, metavar=("TEMPLATE", "K", "BUDGET", "WORK", "RECORDS"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--template", nargs=2, metavar=("ALGORITHM", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        template, K, budget, work = args.child
-        print(json.dumps(measure(template, int(K), float(budget), work)))
+        template, K, budget, work, recs = args.child
+        print(json.dumps(measure(template, int(K), float(budget), work, recs == "1")))
         return 0
     if args.template:
         import torch
@@ -261,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
             for budget in args.budgets:
                 for K in args.ks:
                     work = scratch / f"{algo}-{K}-{budget:g}"
-                    row = {"algorithm": algo, **child("--child", str(template_path), str(K), str(budget), str(work))}
+                    recs = "1" if args.server_records else "0"
+                    row = {
+                        "algorithm": algo,
+                        **child("--child", str(template_path), str(K), str(budget), str(work), recs),
+                    }
                     rows.append(row)
                     shutil.rmtree(work, ignore_errors=True)
                     print(

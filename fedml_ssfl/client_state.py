@@ -19,6 +19,10 @@ files the new checkpoint no longer names only after it is written. :func:`open_c
 rebuilds the states from such a checkpoint. Without a budget the states are a plain ``dict``, as
 before: no overhead and the checkpoint layout unchanged.
 
+The same store keeps an algorithm's per-client records on the server side (its
+``client_records``, e.g. FedMatch's ``views`` and ``client_psi``; :mod:`fedml_ssfl.runtime.common`):
+their spilled files share the checkpoint's folder and are listed under :data:`RECORD_FILES_KEY`.
+
 The contract for callers: the state returned by ``store[k]`` (or stored by ``store[k] = v``) may be
 changed in place until the next access to the store, which re-measures it; a state obtained
 earlier may have been spilled since, so changes to it after that are not kept.
@@ -46,6 +50,11 @@ STATES_DIR = "client_states"
 
 FILES_KEY = "client_state_files"
 """The checkpoint key mapping a spilled client id to its file's digest (absent: every state inline)."""
+
+RECORD_FILES_KEY = "server_record_files"
+"""The checkpoint key mapping each of the algorithm's spilled per-client server records (FedMatch's
+``views``, ``client_psi``) to ``{client id: digest}`` of files in :data:`STATES_DIR` (absent: every
+record inline in the algorithm's state, the layout without a budget)."""
 
 OBJECT_OVERHEAD = 64
 """Bytes counted for each Python object of a state besides tensor storage (dicts, lists, scalars)."""
@@ -456,11 +465,17 @@ def client_state_payload(states: MutableMapping[int, Any], states_dir: str | Pat
 
 
 def prune_state_files(states_dir: str | Path, payload: Mapping[str, Any]) -> None:
-    """Remove files in ``states_dir`` that the checkpoint ``payload`` (just written) does not name."""
+    """Remove files in ``states_dir`` that the checkpoint ``payload`` (just written) does not name.
+
+    Named are the client states' files (:data:`FILES_KEY`) and the server records' (:data:`RECORD_FILES_KEY`):
+    the stores of one run share the folder (content-addressed names, so a file two of them name is one file).
+    """
     states_dir = Path(states_dir)
     if not states_dir.is_dir():
         return
     keep = {d + _SUFFIX for d in payload.get(FILES_KEY, {}).values()}
+    for digests in payload.get(RECORD_FILES_KEY, {}).values():
+        keep.update(d + _SUFFIX for d in digests.values())
     for p in states_dir.iterdir():
         if p.name not in keep and p.is_file():
             p.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ import torch
 from fedml_ssfl.checkpoint import CheckpointError, load_checkpoint
 from fedml_ssfl.client_state import (
     FILES_KEY,
+    RECORD_FILES_KEY,
     STATES_DIR,
     ClientStateError,
     ClientStateStore,
@@ -280,9 +281,27 @@ def _rows(run_dir):
 
 
 def _final(run_dir):
+    """The last checkpoint with every spilled client state and server record read back from its file."""
     ckpt = load_checkpoint(run_dir / "checkpoints" / "last.pt")
-    states = open_client_states((), None, None, ckpt, run_dir / "checkpoints" / STATES_DIR)
+    states_dir = run_dir / "checkpoints" / STATES_DIR
+    states = open_client_states((), None, None, ckpt, states_dir)
+    for name, digests in ckpt.get(RECORD_FILES_KEY, {}).items():  # FedMatch's views / client_psi
+        held = {"client_states": ckpt["algorithm"][name], FILES_KEY: digests}
+        ckpt["algorithm"][name] = open_client_states((), None, None, held, states_dir)
     return ckpt, states
+
+
+def _records_spilled(run_dir, names) -> None:
+    """The checkpoint lists FedMatch's server records by file (at most one, the one in use, inline), files present."""
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    files = ckpt.get(RECORD_FILES_KEY, {})
+    assert sorted(files) == sorted(names), f"spilled server records: {sorted(files)}, expected {sorted(names)}"
+    for name in names:
+        assert files[name] and len(ckpt["algorithm"][name]) <= 1, name
+        seen = set(files[name]) | set(ckpt["algorithm"][name])
+        assert seen == set(ckpt["algorithm"]["embeddings"]), name  # every seen client's record, once
+        for digest in files[name].values():
+            assert (run_dir / "checkpoints" / STATES_DIR / f"{digest}.pt").is_file(), name
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
@@ -301,14 +320,21 @@ def test_spilling_and_resuming_under_a_budget_give_the_run_without_one(small_con
     assert budget.fingerprint() == plain.fingerprint()
     full = run_local(plain, run_dir=tmp_path / "full")
     spilled = run_local(budget, run_dir=tmp_path / "spilled")
+    records = ("client_psi", "views") if algorithm == "fedmatch" else ()  # the server's per-client records
     run_local(budget, run_dir=tmp_path / "resumed", stop_after=1)
+    if records:
+        _records_spilled(tmp_path / "resumed", records)  # the resume starts from spilled server records
     resumed = run_local(budget, run_dir=tmp_path / "resumed", resume=True)
     run_local(budget, run_dir=tmp_path / "mixed", stop_after=2)  # spilled checkpoint, resumed with no budget
+    if records:
+        _records_spilled(tmp_path / "mixed", records)
     mixed = run_local(plain, run_dir=tmp_path / "mixed", resume=True)
+    run_local(plain, run_dir=tmp_path / "old", stop_after=1)  # the old layout (all inline), resumed under a budget
+    old = run_local(budget, run_dir=tmp_path / "old", resume=True)
 
     ref_ckpt, ref_states = _final(tmp_path / "full")
     assert min(state_size(s) for s in ref_states.values()) > 10 * TINY * 2**20  # every client holds tensors
-    for name, result in (("spilled", spilled), ("resumed", resumed), ("mixed", mixed)):
+    for name, result in (("spilled", spilled), ("resumed", resumed), ("mixed", mixed), ("old", old)):
         run_dir = tmp_path / name
         assert result.final_acc == full.final_acc, name
         assert _rows(run_dir) == _rows(tmp_path / "full"), name
@@ -317,10 +343,15 @@ def test_spilling_and_resuming_under_a_budget_give_the_run_without_one(small_con
         assert_same_state(states, ref_states, f"{name}: client_states")
     spilled_ckpt = load_checkpoint(tmp_path / "spilled" / "checkpoints" / "last.pt")
     assert spilled_ckpt[FILES_KEY] and not any(spilled_ckpt["client_states"].values())  # every used state on disk
-    assert FILES_KEY not in ref_ckpt and FILES_KEY not in load_checkpoint(
-        tmp_path / "mixed" / "checkpoints" / "last.pt"
-    )
-    assert not list((tmp_path / "sp").iterdir())  # every run removed its spill folder
+    if records:
+        for name in ("spilled", "resumed", "old"):
+            _records_spilled(tmp_path / name, records)
+    mixed_ckpt = load_checkpoint(tmp_path / "mixed" / "checkpoints" / "last.pt")
+    for ckpt in (ref_ckpt, mixed_ckpt):  # no budget: the old layout, every record inline
+        assert FILES_KEY not in ckpt and RECORD_FILES_KEY not in ckpt
+        for name in records:
+            assert type(ckpt["algorithm"][name]) is dict and len(ckpt["algorithm"][name]) == 3, name
+    assert not list((tmp_path / "sp").iterdir())  # every run removed its spill folders
 
 
 def test_the_default_spill_folder_is_in_the_run_folder_and_goes_at_the_end(small_config, tmp_path, monkeypatch) -> None:
@@ -346,6 +377,32 @@ def test_the_default_spill_folder_is_in_the_run_folder_and_goes_at_the_end(small
     assert seen[1][1].parent == result.run_dir and not list(result.run_dir.glob(".client_states-*"))
 
 
+def test_fedmatch_server_records_take_a_share_of_the_budget_and_spill_in_the_run_folder(
+    small_config, tmp_path, monkeypatch
+) -> None:
+    import fedml_ssfl.runtime.common as common
+
+    seen = []
+    real = common.open_client_states
+
+    def spy(keys, budget, spill, *rest):
+        seen.append((budget, spill))
+        return real(keys, budget, spill, *rest)
+
+    monkeypatch.setattr(common, "open_client_states", spy)
+    cfg = small_config("ssfl_args.algorithm=fedmatch", *ALGORITHMS["fedmatch"], f"device_args.state_memory_mb={TINY}")
+    run_dir = run_local(cfg, run_dir=tmp_path / "r", stop_after=1).run_dir
+    # client states, views, client_psi: a third of the budget each, each spilling into a folder of its own
+    assert [b for b, _ in seen] == [int(TINY * 2**20) // 3] * 3
+    assert [s.name.split("-")[0] for _, s in seen] == [".client_states", ".server_records", ".server_records"]
+    assert len({s for _, s in seen}) == 3 and all(s.parent == run_dir for _, s in seen)
+    _records_spilled(run_dir, ("client_psi", "views"))
+    assert not list(run_dir.glob(".server_records-*"))  # removed at the end
+    (run_dir / ".server_records-r-views-stale").mkdir()  # left by a killed run
+    run_local(cfg, run_dir=run_dir, resume=True)
+    assert not list(run_dir.glob(".server_records-*")) and not list(run_dir.glob(".client_states-*"))
+
+
 def test_a_damaged_checkpoint_state_file_refuses_the_resume_naming_it(small_config, tmp_path) -> None:
     cfg = small_config("ssfl_args.algorithm=fedseal", *ALGORITHMS["fedseal"], f"device_args.state_memory_mb={TINY}")
     run_local(cfg, run_dir=tmp_path / "r", stop_after=1)
@@ -355,17 +412,33 @@ def test_a_damaged_checkpoint_state_file_refuses_the_resume_naming_it(small_conf
         run_local(cfg, run_dir=tmp_path / "r", resume=True)
 
 
-def test_the_fedml_server_keeps_states_under_a_budget_with_the_same_results(small_config, tmp_path) -> None:
+def test_a_damaged_server_record_file_refuses_the_resume_naming_it(small_config, tmp_path) -> None:
+    cfg = small_config("ssfl_args.algorithm=fedmatch", *ALGORITHMS["fedmatch"], f"device_args.state_memory_mb={TINY}")
+    run_local(cfg, run_dir=tmp_path / "r", stop_after=1)
+    ckpt = load_checkpoint(tmp_path / "r" / "checkpoints" / "last.pt")
+    digest = next(iter(ckpt[RECORD_FILES_KEY]["views"].values()))
+    assert digest not in set(ckpt.get(FILES_KEY, {}).values())  # a file only the server's record names
+    path = tmp_path / "r" / "checkpoints" / STATES_DIR / f"{digest}.pt"
+    path.write_bytes(b"x" + path.read_bytes()[1:])
+    with pytest.raises(CheckpointError, match=f"client state file {path} does not match"):
+        run_local(cfg, run_dir=tmp_path / "r", resume=True)
+    assert not list((tmp_path / "r").glob(".server_records-*")) and not list((tmp_path / "r").glob(".client_states-*"))
+
+
+@pytest.mark.parametrize("algorithm", ["fedseal", "fedmatch"])
+def test_the_fedml_server_keeps_states_under_a_budget_with_the_same_results(small_config, tmp_path, algorithm) -> None:
     from tests.test_fedml_backend import FEDSEAL, run_protocol
 
-    plain = small_config(*FEDSEAL, "train_args.comm_round=3", "tracking_args.checkpoint_every=1")
-    budget = small_config(
-        *FEDSEAL, "train_args.comm_round=3", "tracking_args.checkpoint_every=1", f"device_args.state_memory_mb={TINY}"
-    )
+    args = FEDSEAL if algorithm == "fedseal" else [f"ssfl_args.algorithm={algorithm}", *ALGORITHMS[algorithm]]
+    args = [*args, "train_args.client_num_per_round=2", "train_args.comm_round=3", "tracking_args.checkpoint_every=1"]
+    plain = small_config(*args)
+    budget = small_config(*args, f"device_args.state_memory_mb={TINY}")
     local = run_local(plain, run_dir=tmp_path / "local")
     run_protocol(budget, tmp_path / "fed", stop_after=2)
     spilled = load_checkpoint(tmp_path / "fed" / "checkpoints" / "last.pt")
     assert spilled[FILES_KEY] and not any(spilled["client_states"].values())  # the server's states on disk
+    if algorithm == "fedmatch":  # and the algorithm's records, which the server aggregator holds
+        _records_spilled(tmp_path / "fed", ("client_psi", "views"))
     fed, _, _ = run_protocol(budget, tmp_path / "fed", resume=True)
     assert fed.final_acc == local.final_acc and _rows(tmp_path / "fed") == [
         {**r, **{k: v for k, v in f.items() if k.startswith(("wire_", "state_bytes"))}}
@@ -376,3 +449,4 @@ def test_the_fedml_server_keeps_states_under_a_budget_with_the_same_results(smal
     assert_same_state(b["algorithm"], a["algorithm"], "algorithm")
     assert_same_state(b_states, a_states, "client_states")
     assert not list((tmp_path / "fed").glob(".client_states-*"))
+    assert not list((tmp_path / "fed").glob(".server_records-*"))

@@ -25,7 +25,7 @@ Round protocol, driven by the runtime::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -77,6 +77,19 @@ class AlgorithmConfig:
         """
 
 
+def client_records_state(records: MutableMapping[int, dict]) -> Any:
+    """One of :attr:`Algorithm.client_records` as :meth:`Algorithm.state_dict` writes it.
+
+    A plain dict is copied, ``{client id: dict(record)}`` (the layout of every checkpoint without a
+    state budget); a runtime's bounded store is returned as it is, never read through (that would
+    load every spilled record): the runtime's checkpoint writes its resident records inline and its
+    spilled ones as files.
+    """
+    if type(records) is dict:
+        return {k: dict(v) for k, v in records.items()}
+    return records
+
+
 class Algorithm:
     """Base class: a server side and a client side joined only by :class:`Message`.
 
@@ -113,6 +126,15 @@ class Algorithm:
     requires_all_replies: ClassVar[bool] = False
     """True when a round cannot go on without every chosen client's reply: the FedML runtime then
     fails the run on a malformed reply instead of counting it as an empty one."""
+    client_records: ClassVar[tuple[str, ...]] = ()
+    """Attributes of the server side that hold one record per client it has seen (a
+    ``MutableMapping[int, dict]``, a plain dict after :meth:`setup` / :meth:`load_state_dict`), written
+    by :meth:`state_dict` under the key of the same name through :func:`client_records_state`. Under
+    ``device_args.state_memory_mb`` the runtime replaces each, after :meth:`setup` /
+    :meth:`load_state_dict`, by a bounded store (:class:`~fedml_ssfl.client_state.ClientStateStore`)
+    whose records beyond the budget spill to disk, and checkpoints those by file. The algorithm uses
+    them as mappings only (get, set, delete); a record read may be changed in place only until the
+    next access to the same mapping (the store's contract)."""
     stackable: ClassVar[bool] = False
     """True when :meth:`client_updates_stacked` trains a round's clients together
     (``train_args.stack_clients``); the config check refuses the option otherwise."""

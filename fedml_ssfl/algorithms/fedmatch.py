@@ -114,6 +114,15 @@ Choices and deviations (the paper is silent or vague):
 * ``s2c_deltas: false`` sends the full ``sigma`` and ``psi`` every round instead (losslessly,
   zeros dropped), with no per-client records: the S2C delta records cost the server one dense
   ``(sigma, psi)`` pair per client it has contacted, and each client the same in its state.
+* Server memory at scale: the S2C records (``views``) and each seen client's newest ``psi``
+  (``client_psi``, for helpers) are the algorithm's ``client_records``. Under
+  ``device_args.state_memory_mb`` the runtime swaps these dicts for bounded stores
+  (:class:`fedml_ssfl.client_state.ClientStateStore`, a share of the budget each) whose least
+  recently used records spill to disk and come back bit for bit; the code here only reads,
+  assigns and looks them up as mappings, and :meth:`FedMatch.state_dict` hands a store to the
+  runtime's checkpoint as it is (resident records inline, spilled ones by file). The helper
+  ``embeddings`` (one probability vector per seen client) stay in memory. Without a budget they
+  are plain dicts, written inline as before (docs/performance.md, "Client state at scale").
 * Observed: Eq. 5 pulls ``psi`` onto ``sigma``, so ``psi`` is dense (``psi_density`` ~1, the
   hard threshold removes almost nothing) and ``theta`` tends to ``2 sigma``; the savings come
   from small per-round changes (large models, small learning rates, late rounds). On ``cnn28``
@@ -127,7 +136,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +154,7 @@ from ..sparse import densify, density, hard_threshold, num_values, sparsify
 from ..ssl import PseudoLabels, kl_consistency
 from ..ssl.agreement import agreement_pseudo_labels
 from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, run_steps
-from .base import AlgorithmConfig, ClientContext, ClientData, Message, message_nbytes
+from .base import AlgorithmConfig, ClientContext, ClientData, Message, client_records_state, message_nbytes
 from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
@@ -387,6 +396,7 @@ class FedMatch(GlobalModelAlgorithm):
     config_class = FedMatchConfig
     label_scenarios = ("server", "client")
     partial_replies = True  # replies carry sigma/psi deltas only for the parts a client trained
+    client_records = ("views", "client_psi")  # per seen client; spillable under device_args.state_memory_mb
     _layout: Layout | None = None  # cached by layout(); a FedML worker never runs setup()
 
     # ---- settings ------------------------------------------------------------------------
@@ -435,8 +445,9 @@ class FedMatch(GlobalModelAlgorithm):
         self.sigma: dict[str, torch.Tensor] = {n: state[n] for n in lay.params}
         self.psi: dict[str, torch.Tensor] = {n: factor * state[n] for n in lay.params}
         self.buffers: dict[str, torch.Tensor] = {k: state[k] for k in lay.buffers}
-        self.views: dict[int, dict[str, torch.Tensor]] = {}  # what each client holds (S2C records)
-        self.client_psi: dict[int, dict[str, torch.Tensor]] = {}  # newest psi of each seen client
+        # per seen client (client_records: the runtime may swap these dicts for bounded stores)
+        self.views: MutableMapping[int, dict[str, torch.Tensor]] = {}  # what each client holds (S2C records)
+        self.client_psi: MutableMapping[int, dict[str, torch.Tensor]] = {}  # newest psi of each seen client
         self.embeddings: dict[int, torch.Tensor] = {}  # newest embedding of each seen client
         info = self.data_info
         probe = probe_input(self.seed, (info.in_channels, info.image_size, info.image_size), self.config.probe_size)
@@ -591,8 +602,8 @@ class FedMatch(GlobalModelAlgorithm):
             "sigma": dict(self.sigma),
             "psi": dict(self.psi),
             "buffers": dict(self.buffers),
-            "views": {k: dict(v) for k, v in self.views.items()},
-            "client_psi": {k: dict(v) for k, v in self.client_psi.items()},
+            "views": client_records_state(self.views),
+            "client_psi": client_records_state(self.client_psi),
             "embeddings": dict(self.embeddings),
         }
 

@@ -29,10 +29,20 @@ from pathlib import Path
 from typing import Any
 
 from .. import seeding
-from ..algorithms.base import Message, message_nbytes
+from ..algorithms.base import Algorithm, Message, message_nbytes
+from ..algorithms.registry import get_algorithm
 from ..atomic import folder_error, make_folder
 from ..checkpoint import CheckpointError, save_checkpoint
-from ..client_state import STATES_DIR, ClientStateError, client_state_payload, open_client_states, prune_state_files
+from ..client_state import (
+    FILES_KEY,
+    RECORD_FILES_KEY,
+    STATES_DIR,
+    ClientStateError,
+    ClientStateStore,
+    client_state_payload,
+    open_client_states,
+    prune_state_files,
+)
 from ..config import ConfigError, ExperimentConfig, save_config
 from ..experiment import Experiment
 from ..metrics import evaluate
@@ -157,15 +167,68 @@ def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:
 SPILL_PREFIX = ".client_states-"
 """The name prefix of a run's spill folder (in the run folder, or in ``device_args.state_spill_dir``)."""
 
+RECORDS_PREFIX = ".server_records-"
+"""The name prefix of the spill folders of the algorithm's server records (one per record map)."""
+
+
+def state_budget(cfg: ExperimentConfig) -> int | None:
+    """Bytes each per-client store of a run may keep resident (None: no budget, everything in memory).
+
+    ``device_args.state_memory_mb`` bounds all the per-client state a run's server process keeps: it is
+    split evenly between the client states and each of the algorithm's server record maps
+    (:attr:`~..algorithms.base.Algorithm.client_records`; FedMatch: ``views`` and ``client_psi``, so a
+    third each), so the resident total stays within the one budget.
+    """
+    mb = cfg.device_args.state_memory_mb
+    if mb <= 0:
+        return None
+    stores = 1 + len(get_algorithm(cfg.algorithm).client_records)
+    return int(mb * 2**20) // stores
+
+
+def _spill_root(cfg: ExperimentConfig, run_dir: Path, prefix: str) -> Path:
+    """The folder a run's spill folders named ``prefix...`` go in, made; in the run folder, stale ones removed.
+
+    Raises
+    ------
+    ConfigError
+        The folder cannot be made (names ``device_args.state_spill_dir`` and the fix).
+    """
+    d = cfg.device_args
+    root = Path(d.state_spill_dir).expanduser() if d.state_spill_dir else Path(run_dir)
+    try:
+        if not d.state_spill_dir:  # left by a killed run (a shared state_spill_dir is never swept)
+            for stale in Path(run_dir).glob(prefix + "*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        make_folder(root)
+    except OSError as exc:
+        raise _spill_error(root, exc) from None
+    return root
+
+
+def _spill_folder(root: Path, prefix: str) -> Path:
+    """A new empty spill folder of this run's own in ``root``."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    except OSError as exc:
+        raise _spill_error(root, exc) from None
+
+
+def _spill_error(root: Path, exc: OSError) -> ConfigError:
+    return ConfigError(
+        f"device_args.state_spill_dir: cannot make a spill folder in {root}: {exc}; "
+        "set it to a writable folder, or device_args.state_memory_mb to 0 to keep every state in memory"
+    )
+
 
 def run_client_states(
     cfg: ExperimentConfig, run_dir: Path, resume_state: dict[str, Any] | None
 ) -> MutableMapping[int, dict]:
     """Every client's persistent state for a run: a dict, or under ``device_args.state_memory_mb`` a store.
 
-    With a budget, states beyond it spill into a folder of this run's own made in
-    ``device_args.state_spill_dir`` (default: the run folder, where spill folders a killed run left
-    are removed first); :func:`..client_state.close_client_states` removes it at the end.
+    With a budget (its share: :func:`state_budget`), states beyond it spill into a folder of this
+    run's own made in ``device_args.state_spill_dir`` (default: the run folder, where spill folders a
+    killed run left are removed first); :func:`..client_state.close_client_states` removes it at the end.
 
     Raises
     ------
@@ -174,22 +237,11 @@ def run_client_states(
     ConfigError
         The spill folder cannot be made (names ``device_args.state_spill_dir`` and the fix).
     """
-    d = cfg.device_args
-    budget = int(d.state_memory_mb * 2**20) if d.state_memory_mb > 0 else None
+    budget = state_budget(cfg)
     spill = None
     if budget is not None:
-        root = Path(d.state_spill_dir).expanduser() if d.state_spill_dir else Path(run_dir)
-        try:
-            if not d.state_spill_dir:
-                for stale in Path(run_dir).glob(SPILL_PREFIX + "*"):
-                    shutil.rmtree(stale, ignore_errors=True)
-            make_folder(root)
-            spill = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{Path(run_dir).name}-", dir=root))
-        except OSError as exc:
-            raise ConfigError(
-                f"device_args.state_spill_dir: cannot make a spill folder in {root}: {exc}; "
-                "set it to a writable folder, or device_args.state_memory_mb to 0 to keep every state in memory"
-            ) from None
+        root = _spill_root(cfg, run_dir, SPILL_PREFIX)
+        spill = _spill_folder(root, f"{SPILL_PREFIX}{Path(run_dir).name}-")
     try:
         return open_client_states(
             range(cfg.train_args.client_num_in_total),
@@ -202,6 +254,79 @@ def run_client_states(
         if spill is not None:
             shutil.rmtree(spill, ignore_errors=True)
         raise CheckpointError(str(exc)) from None
+
+
+def bind_server_records(
+    cfg: ExperimentConfig, algo: Algorithm, run_dir: Path, resume_state: dict[str, Any] | None
+) -> dict[str, ClientStateStore]:
+    """Put the algorithm's per-client server records (``client_records``) under the state budget.
+
+    Call after ``setup`` / ``load_state_dict``. With a budget each record map becomes a
+    :class:`..client_state.ClientStateStore` of its own (its share: :func:`state_budget`) spilling into
+    a folder ``.server_records-<run>-<name>-*`` made like the client states' one; a resumed
+    checkpoint's spilled records (:data:`..client_state.RECORD_FILES_KEY`) are taken by file. Without
+    a budget nothing changes, except that records a budgeted checkpoint spilled are read back into
+    the algorithm's dicts.
+
+    Returns
+    -------
+    dict
+        The stores made, by attribute name (empty without a budget): :func:`server_records_payload`
+        checkpoints them, :meth:`ClientStateStore.close` removes their spill folders.
+
+    Raises
+    ------
+    CheckpointError
+        A record file the resumed checkpoint names is missing or damaged (names the file).
+    ConfigError
+        A spill folder cannot be made.
+    """
+    budget = state_budget(cfg)
+    saved = (resume_state or {}).get(RECORD_FILES_KEY, {})
+    if not algo.client_records or (budget is None and not saved):
+        return {}
+    states_dir = Path(run_dir) / "checkpoints" / STATES_DIR
+    root = _spill_root(cfg, run_dir, RECORDS_PREFIX) if budget is not None else None
+    stores: dict[str, ClientStateStore] = {}
+    spill = None
+    try:
+        for name in algo.client_records:
+            if root is not None:
+                spill = _spill_folder(root, f"{RECORDS_PREFIX}{Path(run_dir).name}-{name}-")
+            held = {"client_states": getattr(algo, name), FILES_KEY: saved.get(name, {})}
+            records = open_client_states((), budget, spill, held, states_dir)
+            spill = None
+            if isinstance(records, ClientStateStore):
+                stores[name] = records
+            setattr(algo, name, records)
+    except BaseException as exc:
+        for store in stores.values():
+            store.close()
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
+        if isinstance(exc, ClientStateError):
+            raise CheckpointError(str(exc)) from None
+        raise
+    return stores
+
+
+def server_records_payload(
+    algo_state: dict[str, Any], stores: dict[str, ClientStateStore], states_dir: Path
+) -> dict[str, Any]:
+    """The checkpoint's part of the bound server records: resident ones inline, spilled ones by file.
+
+    Each store in ``algo_state`` (``state_dict`` writes a bound store as itself) is replaced by its
+    resident records, ``{client id: record}``; the spilled ones' files are placed in ``states_dir``
+    (fsynced) and listed under :data:`..client_state.RECORD_FILES_KEY`, returned for the checkpoint's
+    top level (an empty dict when nothing spilled).
+    """
+    files: dict[str, dict[int, str]] = {}
+    for name, store in stores.items():
+        inline, digests = store.checkpoint_entries(states_dir)
+        algo_state[name] = inline
+        if digests:
+            files[name] = digests
+    return {RECORD_FILES_KEY: files} if files else {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +440,8 @@ class RunRecorder:
             exp.algorithm.load_state_dict(resume_state["algorithm"])
             self.start = resume_state["round"] + 1
             self.totals.update(resume_state["totals"])
+        # the algorithm's per-client server records under the state budget (FedMatch's views, client_psi)
+        self.records = bind_server_records(cfg, exp.algorithm, self.run_dir, resume_state)
         try:
             save_config(cfg, self.run_dir / "config.yaml")
             self.tracker = RunTracker(
@@ -324,6 +451,7 @@ class RunRecorder:
             )
             self.tracker.log_config(cfg.to_dict())
         except OSError as exc:
+            self._close_records()
             raise self.write_failed("at the start of the run", exc) from None
         self.measured_r = exp.split.measured_r(exp.dataset.train_labels)
         evals = [r["test_acc"] for r in self.tracker.rows if r.get("test_acc") is not None]
@@ -367,20 +495,21 @@ class RunRecorder:
             if is_checkpoint_round(cfg, r, end):
                 states_dir = self.ckpt_path.parent / STATES_DIR
                 states = client_state_payload(client_states, states_dir)  # spilled states: files in states_dir
-                save_checkpoint(
-                    self.ckpt_path,
-                    {
-                        "round": r,
-                        "fingerprint": cfg.fingerprint(),
-                        "config": cfg.to_dict(),  # a refused resume names the keys that differ from it
-                        "algorithm_name": cfg.algorithm,
-                        "algorithm": algo.state_dict(),
-                        **states,
-                        "totals": self.totals,
-                        "wall_seconds": self.wall_seconds(),
-                    },
-                )
-                prune_state_files(states_dir, states)  # files only the previous checkpoint named
+                algo_state = algo.state_dict()
+                records = server_records_payload(algo_state, self.records, states_dir)  # likewise
+                payload = {
+                    "round": r,
+                    "fingerprint": cfg.fingerprint(),
+                    "config": cfg.to_dict(),  # a refused resume names the keys that differ from it
+                    "algorithm_name": cfg.algorithm,
+                    "algorithm": algo_state,
+                    **states,
+                    **records,
+                    "totals": self.totals,
+                    "wall_seconds": self.wall_seconds(),
+                }
+                save_checkpoint(self.ckpt_path, payload)
+                prune_state_files(states_dir, payload)  # files only the previous checkpoint named
         except OSError as exc:
             raise self.write_failed(f"round {r + 1}", exc) from None
         return acc
@@ -448,7 +577,13 @@ class RunRecorder:
         return RunFailed(f"{error} Last good checkpoint: {kept}")
 
     def close(self) -> None:
+        """Close the tracker; remove the spill folders of the server records (their checkpointed files stay)."""
         self.tracker.close()
+        self._close_records()
+
+    def _close_records(self) -> None:
+        for store in self.records.values():
+            store.close()
 
     def result(self, status: str, **extra: Any) -> RunResult:
         """Plots and summary.json for a completed or stopped run; the :class:`RunResult`."""

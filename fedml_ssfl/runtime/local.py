@@ -108,7 +108,11 @@ def _run_in(
     client_states = run_client_states(cfg, run_dir, state)  # a dict, or a store under device_args.state_memory_mb
     if state is not None:
         log.info("resuming %s after round %d", run_dir, state["round"] + 1)
-    rec = RunRecorder(cfg, exp, run_dir, resume_state=state, started=started)
+    try:
+        rec = RunRecorder(cfg, exp, run_dir, resume_state=state, started=started)
+    except BaseException:
+        close_client_states(client_states)  # e.g. a damaged server-record file refused the resume
+        raise
     start = rec.start
 
     rounds = cfg.train_args.comm_round

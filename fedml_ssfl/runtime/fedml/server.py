@@ -98,7 +98,11 @@ class ServerRuntime:
         K = cfg.train_args.client_num_in_total
         self.rec = RunRecorder(cfg, exp, run_dir, resume_state=resume_state, totals_keys=TOTALS)
         self.run_dir = Path(run_dir)
-        self.client_states = run_client_states(cfg, self.run_dir, resume_state)  # a dict, or a bounded store
+        try:
+            self.client_states = run_client_states(cfg, self.run_dir, resume_state)  # a dict, or a bounded store
+        except BaseException:
+            self.rec.close()  # the algorithm's server records' spill folders
+            raise
         self.tags = {k: -1 for k in range(K)}  # round each silo's state was last updated
         self.holder: dict[int, int] = {}  # silo -> rank whose cache has its newest state
         self.stale: set[int] = set()  # silos whose newest state the server has not received
