@@ -75,6 +75,42 @@ def test_the_warp_grid_is_affine_grids() -> None:
             torch.testing.assert_close(_affine_grid(theta, h, w), expected, rtol=1e-6, atol=1e-6)
 
 
+def _former_theta(name, level, sign):
+    """The per-op matrices as the op-by-op code built them (one op, one builder), the oracle of the
+    vectorised builder: rotation by sign 30 level degrees, shears by sign 0.3 level, translations by
+    sign 0.3 level of the side."""
+    theta = torch.eye(2, 3).repeat(len(level), 1, 1)
+    if name == "Rotate":
+        angle = torch.deg2rad(sign * 30.0 * level)
+        theta[:, 0, 0], theta[:, 0, 1] = torch.cos(angle), -torch.sin(angle)
+        theta[:, 1, 0], theta[:, 1, 1] = torch.sin(angle), torch.cos(angle)
+    elif name == "ShearX":
+        theta[:, 0, 1] = sign * 0.3 * level
+    elif name == "ShearY":
+        theta[:, 1, 0] = sign * 0.3 * level
+    elif name == "TranslateX":
+        theta[:, 0, 2] = 2.0 * sign * 0.3 * level
+    else:
+        theta[:, 1, 2] = 2.0 * sign * 0.3 * level
+    return theta
+
+
+def test_the_warp_matrices_are_the_former_per_op_ones() -> None:
+    """Rotation direction, which shear and which translation go where: each geometric op's matrix,
+    built for a mixed batch, is bit for bit the one the former per-op builder gave."""
+    from fedml_ssfl.data.augment import _warp_thetas
+
+    names = ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY")
+    gen = torch.Generator().manual_seed(3)
+    ops = torch.tensor([OP_NAMES.index(n) for n in names * 6])
+    level = torch.randint(1, 10, (len(ops),), generator=gen).float() / 10
+    sign = torch.where(torch.rand(len(ops), generator=gen) < 0.5, -1.0, 1.0)
+    theta = _warp_thetas(ops, level, sign)
+    for name in names:
+        sel = ops == OP_NAMES.index(name)
+        assert torch.equal(theta[sel], _former_theta(name, level[sel], sign[sel])), name
+
+
 def test_weak_flip_false_never_flips() -> None:
     # pad 0: only flips could change the image
     x = batch(64, 3, 8)

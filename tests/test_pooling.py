@@ -41,7 +41,8 @@ def test_the_module_takes_the_fast_path_only_without_gradient(monkeypatch) -> No
 
 @pytest.mark.parametrize(("name", "norm"), [("cnn28", "gn"), ("cnn28", "bn"), ("emnist_cnn", "none")])
 def test_models_compute_what_they_computed_with_nn_max_pool(name, norm) -> None:
-    """A model's evaluation logits and its gradients are those of the same model with nn.MaxPool2d."""
+    """A model's evaluation logits are those of the same model with nn.MaxPool2d (with gradient both
+    call F.max_pool2d: the routing test above checks that)."""
     torch.manual_seed(0)
     model = build_model(name, num_classes=10, in_channels=1, image_size=28, norm=norm).eval()
     plain = build_model(name, num_classes=10, in_channels=1, image_size=28, norm=norm).eval()
@@ -55,7 +56,27 @@ def test_models_compute_what_they_computed_with_nn_max_pool(name, norm) -> None:
     x = torch.rand(5, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(x), plain(x))
-    model(x).sum().backward()
-    plain(x).sum().backward()
-    for (n, a), (_, b) in zip(model.named_parameters(), plain.named_parameters()):
-        assert torch.equal(a.grad, b.grad), n
+    with torch.inference_mode():
+        assert torch.equal(model(x), plain(x))
+
+
+def test_transforms_and_small_sides_take_max_pool2d() -> None:
+    """Under vmap without gradient (batched tensors refuse layout queries), with forward-mode tangents
+    (ties would split them) and for a side below the window (F.max_pool2d's error), the module gives
+    what F.max_pool2d gives."""
+    from torch.autograd import forward_ad
+    from torch.func import vmap
+
+    pool = MaxPool2x2()
+    x = torch.relu(torch.randn(3, 2, 4, 6, 6, generator=torch.Generator().manual_seed(0)))
+    x = x.round(decimals=1)  # ties
+    with torch.no_grad():
+        assert torch.equal(vmap(pool)(x), vmap(lambda t: F.max_pool2d(t, 2))(x))
+        assert torch.equal(vmap(pool)(x.transpose(2, 3)), vmap(lambda t: F.max_pool2d(t, 2))(x.transpose(2, 3)))
+    tangent = torch.randn(x[0].shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), forward_ad.dual_level():
+        ours = forward_ad.unpack_dual(pool(forward_ad.make_dual(x[0], tangent))).tangent
+        theirs = forward_ad.unpack_dual(F.max_pool2d(forward_ad.make_dual(x[0], tangent), 2)).tangent
+    assert torch.equal(ours, theirs)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        pool(torch.randn(2, 4, 1, 6))

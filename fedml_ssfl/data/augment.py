@@ -324,8 +324,10 @@ def _base_grid(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tupl
 
 def _affine_grid(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """``F.affine_grid(theta, (N, C, h, w), align_corners=False)`` at half its cost on CPU: the
-    coordinates are built once per size, and each sample's 3-term sums are element-wise (in the order
-    ``x t0 + y t1 + t2``, which gives the same values as its batched matrix product here; a test checks)."""
+    coordinates are built once per size, and each sample's 3-term sums are element-wise, in the order
+    ``x t0 + y t1 + t2``. On this project's CPU that gives exactly the values of ``F.affine_grid``'s
+    batched matrix product; a BLAS that fuses multiply-adds (other CPUs, cuBLAS) may differ in the last
+    bit, so the test allows float rounding."""
     xs, ys = _base_grid(h, w, theta.dtype, theta.device)
     t = theta.reshape(-1, 6, 1, 1)
     grid_x = (xs * t[:, 0]).add_(ys * t[:, 1]).add_(t[:, 2])
@@ -335,6 +337,7 @@ def _affine_grid(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 def _warp_op(op_id: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     def warp(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+        level, sign = level.cpu(), sign.cpu()  # the matrices are built on the CPU
         return _affine(x, _warp_thetas(torch.full(level.shape, op_id), level, sign))
 
     return warp

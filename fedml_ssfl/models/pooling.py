@@ -11,8 +11,10 @@ same way; tests/test_pooling.py), so a model changes no result.
 Only passes without gradient (evaluation, pseudo-labels, BatchNorm statistics) take this path: a
 backward pass needs the position of each maximum, and every way of tracking it measured here cost
 more than ``F.max_pool2d`` itself (the boolean and uint8 kernels it needs are slow on this CPU).
-Inputs with one channel (whose strides can read as either layout), other devices, ONNX export and
-TorchScript use ``F.max_pool2d``.
+Inputs with one channel (whose strides can read as either layout) or a side below 2, other devices,
+``torch.func`` transforms and forward-mode tangents, tracing and ONNX export use ``F.max_pool2d``
+(``torch.jit.script`` cannot compile the module). A window of +0 and -0 may give the other zero
+(equal values; the sign bit can differ).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 
 
 def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
@@ -38,20 +41,29 @@ class MaxPool2x2(nn.MaxPool2d):
 
     Still an ``nn.MaxPool2d`` for whatever inspects a model (the layout choice of :mod:`.layout`,
     printing, ONNX export), and without parameters: state dicts and checkpoints are unchanged.
+    The fast path's conditions: :func:`_fast_path_applies`.
     """
 
     def __init__(self) -> None:
         super().__init__(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fast = (
-            x.dim() == 4
-            and x.device.type == "cpu"
-            and x.shape[1] > 1  # one channel: its strides are ambiguous, and the next conv reads them
-            and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and not torch.jit.is_scripting()
-            and not torch.jit.is_tracing()
-            and not torch.onnx.is_in_onnx_export()
-        )
-        return max_pool_2x2(x) if fast else F.max_pool2d(x, 2)
+        return max_pool_2x2(x) if _fast_path_applies(x) else F.max_pool2d(x, 2)
+
+
+def _fast_path_applies(x: torch.Tensor) -> bool:
+    """Whether :func:`max_pool_2x2` gives exactly what ``F.max_pool2d(x, 2)`` would, values and strides."""
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+        return False
+    if x.requires_grad and torch.is_grad_enabled():
+        return False  # a backward pass needs F.max_pool2d's choice of pixel
+    if torch._C._functorch.is_functorch_wrapped_tensor(x) or forward_ad.unpack_dual(x).tangent is not None:
+        return False  # vmap / forward-mode tangents: layout queries fail, and ties would split tangents
+    return (
+        x.dim() == 4
+        and x.device.type == "cpu"
+        and x.shape[1] > 1  # one channel: its strides are ambiguous, and the next conv reads them
+        and x.shape[2] >= 2
+        and x.shape[3] >= 2  # F.max_pool2d refuses a side below the window
+        and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
+    )
