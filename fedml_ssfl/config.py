@@ -152,7 +152,8 @@ class DeviceArgs:
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
     # MiB of per-client state kept in memory (0: no limit); the least recently used states beyond it are
     # written to disk and read back exactly (docs/performance.md, "Client state at scale"). FedMatch's
-    # server records per client (views, client_psi) share it: a third each with the client states. Not in
+    # server records per client (views, client_psi) share it: a third each with the client states; a pooled
+    # FedML worker's cache of the silos it served has the whole budget in its own process. Not in
     # the fingerprint: it changes no result, so a run may resume under another budget.
     state_memory_mb: float = 0.0
     state_spill_dir: str = ""  # where states spill ("": the run folder); each run makes a folder of its own in it

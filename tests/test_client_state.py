@@ -434,7 +434,11 @@ def test_the_fedml_server_keeps_states_under_a_budget_with_the_same_results(smal
     plain = small_config(*args)
     budget = small_config(*args, f"device_args.state_memory_mb={TINY}")
     local = run_local(plain, run_dir=tmp_path / "local")
-    run_protocol(budget, tmp_path / "fed", stop_after=2)
+    workers: dict = {}
+    run_protocol(budget, tmp_path / "fed", stop_after=2, workers_out=workers)
+    # each pooled worker's cache of the silos it served is bounded too: states beyond it went to disk
+    caches = [w.cache for w in workers.values()]
+    assert all(isinstance(c, ClientStateStore) for c in caches) and sum(c.spills for c in caches) > 0
     spilled = load_checkpoint(tmp_path / "fed" / "checkpoints" / "last.pt")
     assert spilled[FILES_KEY] and not any(spilled["client_states"].values())  # the server's states on disk
     if algorithm == "fedmatch":  # and the algorithm's records, which the server aggregator holds

@@ -34,14 +34,17 @@ def wire(obj):
     return decode(codec.loads(codec.dumps(encode(obj))))
 
 
-def run_protocol(cfg, run_dir, tamper=None, stop_after=None, resume=False):
-    """Drive ServerRuntime + C_k ClientWorkers (one experiment each, as separate processes would)."""
+def run_protocol(cfg, run_dir, tamper=None, stop_after=None, resume=False, workers_out=None):
+    """Drive ServerRuntime + C_k ClientWorkers (one experiment each, as separate processes would);
+    ``workers_out`` (a dict) receives the workers by rank."""
     exp = build_experiment(cfg)
     exp.algorithm.setup()
     state = load_checkpoint(run_dir / "checkpoints" / "last.pt") if resume else None
     ck = cfg.train_args.client_num_per_round
     rt = ServerRuntime(cfg, exp, run_dir, state, ck, stop_after=stop_after)
     workers = {w: ClientWorker(build_experiment(cfg), w) for w in range(1, ck + 1)}
+    if workers_out is not None:
+        workers_out.update(workers)
     served = []
     try:
         while not rt.done:

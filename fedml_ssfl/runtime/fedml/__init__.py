@@ -26,7 +26,8 @@ Per-silo client state
 ``client_update`` mutates a persistent per-client ``state`` dict (EMA nets, ensembles,
 sigma/psi). When K > C_k a worker serves different silos across rounds, so state belongs to the
 silo, not the process. Each worker caches the states of the silos it served, tagged with the
-round they were last updated; the server keeps the authoritative copy of every silo's state
+round they were last updated (under ``device_args.state_memory_mb`` a spilling store:
+:func:`.worker.worker_state_cache`); the server keeps the authoritative copy of every silo's state
 (what checkpoints store, in the local runtime's format). Silos are routed back to the worker that
 holds their newest state when possible (:func:`assign_silos`); when a silo moves, its state is
 fetched from its holder the round before (``upload`` requests) and shipped with the payload.

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 import traceback
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 from ... import seeding
 from ...algorithms.base import ClientContext
 from ...checkpoint import load_checkpoint, save_checkpoint
-from ...config import ExperimentConfig
+from ...client_state import ClientStateStore
+from ...config import ConfigError, ExperimentConfig
 from ...experiment import Experiment
 from .protocol import Failure, Reply, Task
 
@@ -30,7 +33,8 @@ class ClientWorker:
 
     def __init__(self, exp: Experiment, rank: int):
         self.exp, self.rank = exp, rank
-        self.cache: dict[int, tuple[int, dict]] = {}  # silo -> (round of last update, state)
+        # silo -> (round of last update, state): every silo this worker has served
+        self.cache: MutableMapping[int, tuple[int, dict]] = worker_state_cache(exp.config, rank)
 
     def handle(self, task: Task) -> Reply | Failure:
         """Run one round's client update; return the reply (or a :class:`Failure`, never raising)."""
@@ -56,6 +60,39 @@ class ClientWorker:
             return Reply(r, k, self.rank, msg=reply, states={j: self.cache[j] for j in task.upload})
         except Exception as exc:  # reported to the server, which stops the run with this message
             return _failure(r, k, self.rank, exc)
+
+
+WORKER_SPILL_PREFIX = ".worker_states-"
+"""The name prefix of a pooled worker's spill folder."""
+
+
+def worker_state_cache(cfg: ExperimentConfig, rank: int) -> MutableMapping[int, tuple[int, dict]]:
+    """A pooled worker's cache of the states of the silos it has served: a dict, or under
+    ``device_args.state_memory_mb`` a store that keeps that many MiB resident and spills the rest.
+
+    The whole budget is the worker's (a worker process keeps no other per-client state). The spill
+    folder is made in ``device_args.state_spill_dir``, else in the system's temporary folder (a worker
+    may run on a host without the server's run folder), and removed when the worker exits. Results do
+    not change: a spilled state comes back bit for bit.
+
+    Raises
+    ------
+    ConfigError
+        The spill folder cannot be made (names ``device_args.state_spill_dir`` and the fix).
+    """
+    d = cfg.device_args
+    if d.state_memory_mb <= 0:
+        return {}
+    root = Path(d.state_spill_dir).expanduser() if d.state_spill_dir else Path(tempfile.gettempdir())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix=f"{WORKER_SPILL_PREFIX}rank{rank}-", dir=root)
+    except OSError as exc:
+        raise ConfigError(
+            f"device_args.state_spill_dir: cannot make a worker's spill folder in {root}: {exc}; "
+            "set it to a writable folder, or device_args.state_memory_mb to 0 to keep every state in memory"
+        ) from None
+    return ClientStateStore(int(d.state_memory_mb * 2**20), folder)
 
 
 def _client_update(exp: Experiment, msg: Any, silo: int, r: int, state: dict[str, Any]) -> Any:
