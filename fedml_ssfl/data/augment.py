@@ -362,9 +362,9 @@ _OPS: dict[str, _Op] = {
     "TranslateY": _warp_op(_TRANSLATE_Y),
 }
 
-# geometric ops take their parameters on the CPU (they build matrices there); the rest on x's device
-_GEOMETRIC = set(_WARP_OPS)
 _IDENTITY = OP_NAMES.index("Identity")
+_IS_WARP = torch.tensor([name in _WARP_OPS for name in OP_NAMES])
+"""Per op id: geometric (one warp per slot for all of them)."""
 
 
 def apply_op(x: torch.Tensor, op_id: int, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
@@ -387,7 +387,7 @@ def apply_op(x: torch.Tensor, op_id: int, level: torch.Tensor, sign: torch.Tenso
         The transformed images, clipped to ``[0, 1]``.
     """
     name = OP_NAMES[op_id]
-    if name not in _GEOMETRIC:
+    if name not in _WARP_OPS:  # geometric ops build their matrices on the CPU; the rest work on x's device
         level, sign = level.to(x.device, x.dtype), sign.to(x.device, x.dtype)
     return _OPS[name](x, level, sign).clamp_(0.0, 1.0)
 
@@ -535,13 +535,11 @@ def strong_augment(
     sides, centres = _sample_cutout(n, h, w, side, generator)
     x = x.clone()
     warp_key, skip_key = len(OP_NAMES), -1
-    is_warp = torch.zeros(len(OP_NAMES) + 1, dtype=torch.bool)
-    is_warp[[OP_NAMES.index(name) for name in _WARP_OPS]] = True
     for slot in range(num_ops):
         # each sample's group in this slot: its op, one warp for every geometric op, or none; sorted by
         # group (stable: sample order within), each group is a slice of one gathered sub-batch
         key = ops[:, slot].clone()
-        key[is_warp[key]] = warp_key
+        key[_IS_WARP[key]] = warp_key
         key[~applied[:, slot] | (key == _IDENTITY)] = skip_key
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key + 1, minlength=len(OP_NAMES) + 2).tolist()

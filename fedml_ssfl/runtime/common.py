@@ -206,10 +206,16 @@ def _spill_root(cfg: ExperimentConfig, run_dir: Path, prefix: str) -> Path:
     return root
 
 
-def _spill_folder(root: Path, prefix: str) -> Path:
-    """A new empty spill folder of this run's own in ``root``."""
+def spill_folder(root: Path, prefix: str) -> Path:
+    """A new empty spill folder of this process's own, named ``prefix...``, in ``root`` (made if needed).
+
+    Raises
+    ------
+    ConfigError
+        It cannot be made (names ``device_args.state_spill_dir`` and the fix).
+    """
     try:
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=make_folder(root)))
     except OSError as exc:
         raise _spill_error(root, exc) from None
 
@@ -241,7 +247,7 @@ def run_client_states(
     spill = None
     if budget is not None:
         root = _spill_root(cfg, run_dir, SPILL_PREFIX)
-        spill = _spill_folder(root, f"{SPILL_PREFIX}{Path(run_dir).name}-")
+        spill = spill_folder(root, f"{SPILL_PREFIX}{Path(run_dir).name}-")
     try:
         return open_client_states(
             range(cfg.train_args.client_num_in_total),
@@ -292,7 +298,7 @@ def bind_server_records(
     try:
         for name in algo.client_records:
             if root is not None:
-                spill = _spill_folder(root, f"{RECORDS_PREFIX}{Path(run_dir).name}-{name}-")
+                spill = spill_folder(root, f"{RECORDS_PREFIX}{Path(run_dir).name}-{name}-")
             held = {"client_states": getattr(algo, name), FILES_KEY: saved.get(name, {})}
             records = open_client_states((), budget, spill, held, states_dir)
             spill = None

@@ -13,8 +13,9 @@ from ... import seeding
 from ...algorithms.base import ClientContext
 from ...checkpoint import load_checkpoint, save_checkpoint
 from ...client_state import ClientStateStore
-from ...config import ConfigError, ExperimentConfig
+from ...config import ExperimentConfig
 from ...experiment import Experiment
+from ..common import spill_folder
 from .protocol import Failure, Reply, Task
 
 log = logging.getLogger(__name__)
@@ -84,14 +85,7 @@ def worker_state_cache(cfg: ExperimentConfig, rank: int) -> MutableMapping[int, 
     if d.state_memory_mb <= 0:
         return {}
     root = Path(d.state_spill_dir).expanduser() if d.state_spill_dir else Path(tempfile.gettempdir())
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        folder = tempfile.mkdtemp(prefix=f"{WORKER_SPILL_PREFIX}rank{rank}-", dir=root)
-    except OSError as exc:
-        raise ConfigError(
-            f"device_args.state_spill_dir: cannot make a worker's spill folder in {root}: {exc}; "
-            "set it to a writable folder, or device_args.state_memory_mb to 0 to keep every state in memory"
-        ) from None
+    folder = spill_folder(root, f"{WORKER_SPILL_PREFIX}rank{rank}-")
     return ClientStateStore(int(d.state_memory_mb * 2**20), folder)
 
 
