@@ -55,7 +55,7 @@ from .models.layout import apply_layout, model_layout
 from .models.precision import apply_precision
 from .runtime.common import RunRecorder, run_client_states
 from .runtime.local import run_round
-from .training import InputPipeline
+from .training import InputPipeline, clear_grads
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def replay(
                     model(x)
         elif pending:
             loss = sum(F.cross_entropy(out, y) for out, y in pending)
-            optimizer.zero_grad(set_to_none=True)
+            clear_grads(optimizer)  # as the round clears them
             loss.backward()
             optimizer.step()
             pending = []

@@ -75,6 +75,39 @@ def test_the_warp_grid_is_affine_grids() -> None:
             torch.testing.assert_close(_affine_grid(theta, h, w), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_the_warp_grid_is_the_former_element_wise_grid_bit_for_bit() -> None:
+    """The grid built as (N, 2, H, W) and viewed as (N, H, W, 2) holds exactly the former stacked grid's
+    values: the same products and sums in the same order."""
+    from fedml_ssfl.data.augment import _affine_grid
+
+    gen = torch.Generator().manual_seed(1)
+    for theta in (torch.randn(11, 2, 3, generator=gen), torch.randn(1, 2, 3, generator=gen).double()):
+        for h, w in ((28, 28), (7, 13)):
+            base = F.affine_grid(torch.eye(2, 3, dtype=theta.dtype)[None], [1, 1, h, w], align_corners=False)
+            xs, ys, t = base[..., 0], base[..., 1], theta.reshape(-1, 6, 1, 1)
+            grid_x = (xs * t[:, 0]).add_(ys * t[:, 1]).add_(t[:, 2])
+            grid_y = (xs * t[:, 3]).add_(ys * t[:, 4]).add_(t[:, 5])
+            assert torch.equal(_affine_grid(theta, h, w), torch.stack([grid_x, grid_y], dim=-1))
+
+
+@pytest.mark.parametrize("magnitude", [2, 10, 30])
+def test_the_warp_table_holds_the_matrices_the_builder_gives(magnitude) -> None:
+    """Each geometric op's looked-up matrix is the one _warp_thetas builds for that op, magnitude and
+    sign in a batch of any size, at any position (the strong view looks its matrices up)."""
+    from fedml_ssfl.data.augment import _warp_table, _warp_thetas
+
+    table = _warp_table(magnitude)
+    gen = torch.Generator().manual_seed(magnitude)
+    names = ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY")
+    geometric = torch.tensor([OP_NAMES.index(n) for n in names])
+    for n in (1, 7, 16, 33, 200):
+        ops = geometric[torch.randint(0, 5, (n,), generator=gen)]
+        mags = torch.randint(1, magnitude, (n,), generator=gen)
+        signs = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+        built = _warp_thetas(ops, mags.float() / 10.0, signs)
+        assert torch.equal(table[ops, mags, (signs > 0).long()], built), n
+
+
 def _former_theta(name, level, sign):
     """The per-op matrices as the op-by-op code built them (one op, one builder), the oracle of the
     vectorised builder: rotation by sign 30 level degrees, shears by sign 0.3 level, translations by
@@ -186,6 +219,21 @@ def test_cutout_is_one_fixed_grey_square_clipped_only_at_the_far_border() -> Non
         inside = first_row + side <= size
         assert (heights[inside] == side).all() and (widths.max() == side)
         assert (heights >= 1).all()
+
+
+@pytest.mark.parametrize(("h", "w", "side"), [(28, 28, 7), (32, 32, 16), (5, 9, 3), (8, 8, 20), (40, 40, 10)])
+def test_the_cutout_table_gives_apply_cutouts_squares(h, w, side) -> None:
+    """The strong view looks its cutout masks up (images up to 32x32): every centre's square is
+    apply_cutout's, values and strides (40x40 takes apply_cutout itself)."""
+    from fedml_ssfl.data.augment import _cutout_squares, apply_cutout
+
+    centres = torch.cartesian_prod(torch.arange(h), torch.arange(w))
+    x = torch.rand(len(centres), 1, h, w, generator=torch.Generator().manual_seed(h))
+    for images in (x, x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)):
+        sides = torch.full((len(centres),), side)
+        expected = apply_cutout(images, sides, centres)
+        got = _cutout_squares(images, side, centres)
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
 
 
 def test_magnitudes_are_integers_below_m_and_each_op_is_applied_half_the_time() -> None:

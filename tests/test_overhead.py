@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from fedml_ssfl import seeding
 from fedml_ssfl.aggregation import Scratch, dense_layout, weight_diversity, weighted_average
@@ -252,3 +253,44 @@ def test_clients_never_write_to_the_messages_they_share(small_config, algorithm)
             if t.is_floating_point():
                 assert torch.equal(bits(t), bits(server[n])), (algorithm, r, n)
         finish_round(exp, start, replies, 0)
+
+
+# ---- the optimiser step's clip and gradient reset (training.py) ---------------------------------
+@pytest.mark.parametrize("scale", [1e-4, 0.3, 50.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("mixed_dtypes", [False, True])
+def test_clip_grad_norm_is_torchs_bit_for_bit(scale, mixed_dtypes):
+    """Gradients below and above the bound, inf and NaN, a parameter without a gradient, and (mixed
+    dtypes) the fallback to torch's function: the clipped gradients equal nn.utils.clip_grad_norm_'s."""
+    from fedml_ssfl.training import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(16, 1, 3, 3), (16,), (32, 16, 3, 3), (10, 64), (10,)]
+    params = [
+        nn.Parameter(torch.zeros(s, dtype=torch.float64 if mixed_dtypes and i == 1 else torch.float32))
+        for i, s in enumerate(shapes)
+    ]
+    grads = [
+        None if i == 3 else (torch.randn(s, generator=gen) * scale).to(p.dtype)
+        for i, (s, p) in enumerate(zip(shapes, params))
+    ]
+    results = []
+    for clip in (lambda ps: nn.utils.clip_grad_norm_(ps, 0.5), lambda ps: clip_grad_norm(ps, 0.5)):
+        for p, g in zip(params, grads):
+            p.grad = None if g is None else g.clone()
+        clip(params)
+        results.append([p.grad for p in params])
+    for want, got in zip(*results):
+        assert (want is None and got is None) or torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0))
+    if scale == 50.0:
+        assert not torch.equal(results[1][0], grads[0])  # the bound was hit: the gradients were scaled
+
+
+def test_clear_grads_is_zero_grad_set_to_none():
+    from fedml_ssfl.training import clear_grads
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    clear_grads(opt)
+    assert all(p.grad is None for p in model.parameters())

@@ -167,6 +167,35 @@ def test_sbn_statistics_equal_those_of_the_data() -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sbn_sums_are_the_float64_sums_of_each_layers_inputs(dtype) -> None:
+    """Bit for bit the float64 sum and sum of squares of what each BN layer saw, and the pass leaves
+    those inputs alone (a float64 model's inputs are squared in place nowhere)."""
+    model = _bn_model().to(dtype)
+    images = _images(24, seed=2)
+    plain = InputPipeline(INFO, torch.device("cpu")).plain
+
+    class Pipeline:
+        def plain(self, x: torch.Tensor) -> torch.Tensor:
+            return plain(x).to(dtype)
+
+    sums = bn_sums(model, Pipeline(), images, torch.arange(24), batch_size=24)
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        getattr(model, n).register_forward_pre_hook(lambda m, i, n=n: seen.__setitem__(n, i[0].detach().clone()))
+        for n in sums
+    ]
+    model.train()
+    with torch.no_grad():
+        model(Pipeline().plain(images))
+    for h in hooks:
+        h.remove()
+    for name, x in seen.items():
+        x = x.double()
+        assert torch.equal(sums[name]["sum"], x.sum(dim=(0, 2, 3))), name
+        assert torch.equal(sums[name]["sumsq"], (x * x).sum(dim=(0, 2, 3))), name
+
+
 def test_sbn_sums_add_up_across_parties() -> None:
     model = _bn_model()
     images = _images(30, seed=1)

@@ -142,12 +142,12 @@ def bn_sums(
 
     def hook(name: str):
         def record(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            x = inputs[0].detach().double()
+            x = inputs[0].detach().to(torch.float64, copy=True)  # our own copy: squared in place below
             dims = [d for d in range(x.ndim) if d != 1]
             entry = sums.setdefault(name, {"sum": 0.0, "sumsq": 0.0, "count": 0.0})
-            entry["sum"] = entry["sum"] + x.sum(dim=dims).cpu()
-            entry["sumsq"] = entry["sumsq"] + (x * x).sum(dim=dims).cpu()
             entry["count"] = entry["count"] + float(x.numel() // x.shape[1])
+            entry["sum"] = entry["sum"] + x.sum(dim=dims).cpu()
+            entry["sumsq"] = entry["sumsq"] + x.mul_(x).sum(dim=dims).cpu()  # x * x without a second buffer
 
         return record
 

@@ -129,8 +129,8 @@ def shift_crop(x: torch.Tensor, pad: int, offsets: torch.Tensor) -> torch.Tensor
     # put there (a pure copy, so exactly the padded-and-cropped values), one gather for the batch
     offsets = offsets.to(x.device)
     reflect = pad < min(h, w)  # reflect padding is undefined for a pad as wide as a side: replicate
-    rows = _padded_source(h, pad, reflect, x.device)[offsets[:, 0:1] + torch.arange(h, device=x.device)]  # (N, H)
-    cols = _padded_source(w, pad, reflect, x.device)[offsets[:, 1:2] + torch.arange(w, device=x.device)]  # (N, W)
+    rows = _crop_sources(h, pad, reflect, x.device)[offsets[:, 0]]  # (N, H) input rows
+    cols = _crop_sources(w, pad, reflect, x.device)[offsets[:, 1]]  # (N, W) input columns
     flat = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
     out = torch.gather(x.reshape(n, c, h * w), 2, flat)
     if c == 1:
@@ -141,13 +141,17 @@ def shift_crop(x: torch.Tensor, pad: int, offsets: torch.Tensor) -> torch.Tensor
     return out.view(n, c, h, w)
 
 
-def _padded_source(size: int, pad: int, reflect: bool, device: torch.device) -> torch.Tensor:
-    """For each position of a side padded by ``pad`` (``size + 2 pad``), the input position it copies:
-    ``F.pad``'s "reflect" (the edge pixel not repeated) or "replicate"."""
+@lru_cache(maxsize=32)
+def _crop_sources(size: int, pad: int, reflect: bool, device: torch.device) -> torch.Tensor:
+    """``(2 pad + 1, size)``: for each crop offset into a side padded by ``pad``, the input position
+    each output position copies, with ``F.pad``'s "reflect" (the edge pixel not repeated) or
+    "replicate". Made once per side, pad and device; read only."""
     at = torch.arange(-pad, size + pad, device=device)
     if reflect:
-        return torch.where(at < 0, -at, torch.where(at >= size, 2 * (size - 1) - at, at))
-    return at.clamp(0, size - 1)
+        source = torch.where(at < 0, -at, torch.where(at >= size, 2 * (size - 1) - at, at))
+    else:
+        source = at.clamp(0, size - 1)
+    return source.unfold(0, size, 1).contiguous()
 
 
 def weak_augment(x: torch.Tensor, generator: torch.Generator, *, flip: bool, pad: int | None = None) -> torch.Tensor:
@@ -317,22 +321,22 @@ def _warp_thetas(op_ids: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) 
 
 @lru_cache(maxsize=8)
 def _base_grid(h: int, w: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output pixels' normalised (x, y) coordinates, each ``(1, H, W)`` (``align_corners=False``)."""
+    """The output pixels' normalised x and y coordinates, each ``(1, 1, H, W)`` (``align_corners=False``)."""
     base = F.affine_grid(torch.eye(2, 3, dtype=dtype, device=device)[None], [1, 1, h, w], align_corners=False)
-    return base[..., 0].clone(), base[..., 1].clone()
+    return base[..., 0].clone().view(1, 1, h, w), base[..., 1].clone().view(1, 1, h, w)
 
 
 def _affine_grid(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """``F.affine_grid(theta, (N, C, h, w), align_corners=False)`` at half its cost on CPU: the
+    """``F.affine_grid(theta, (N, C, h, w), align_corners=False)`` at a third of its cost on CPU: the
     coordinates are built once per size, and each sample's 3-term sums are element-wise, in the order
-    ``x t0 + y t1 + t2``. On this project's CPU that gives exactly the values of ``F.affine_grid``'s
-    batched matrix product; a BLAS that fuses multiply-adds (other CPUs, cuBLAS) may differ in the last
-    bit, so the test allows float rounding."""
+    ``x t0 + y t1 + t2`` (and ``x t3 + y t4 + t5``), into an ``(N, 2, H, W)`` tensor returned as the
+    ``(N, H, W, 2)`` grid it views (interleaving the two coordinates in memory cost more than the
+    sums). On this project's CPU that gives exactly the values of ``F.affine_grid``'s batched matrix
+    product; a BLAS that fuses multiply-adds (other CPUs, cuBLAS) may differ in the last bit, so the
+    test allows float rounding."""
     xs, ys = _base_grid(h, w, theta.dtype, theta.device)
-    t = theta.reshape(-1, 6, 1, 1)
-    grid_x = (xs * t[:, 0]).add_(ys * t[:, 1]).add_(t[:, 2])
-    grid_y = (xs * t[:, 3]).add_(ys * t[:, 4]).add_(t[:, 5])
-    return torch.stack([grid_x, grid_y], dim=-1)
+    t = theta.view(-1, 2, 3, 1, 1)
+    return (xs * t[:, :, 0]).add_(ys * t[:, :, 1]).add_(t[:, :, 2]).permute(0, 2, 3, 1)
 
 
 def _warp_op(op_id: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -362,9 +366,25 @@ _OPS: dict[str, _Op] = {
     "TranslateY": _warp_op(_TRANSLATE_Y),
 }
 
-_IDENTITY = OP_NAMES.index("Identity")
-_IS_WARP = torch.tensor([name in _WARP_OPS for name in OP_NAMES])
-"""Per op id: geometric (one warp per slot for all of them)."""
+_WARP_KEY, _SKIP_KEY = len(OP_NAMES), -1
+_GROUP_KEY = torch.tensor(
+    [_SKIP_KEY if name == "Identity" else _WARP_KEY if name in _WARP_OPS else op for op, name in enumerate(OP_NAMES)]
+)
+"""Per op id, the group a strong slot applies it in: the op itself, one warp for every geometric op
+(:data:`_WARP_KEY`), or none for Identity (:data:`_SKIP_KEY`)."""
+
+
+@lru_cache(maxsize=8)
+def _warp_table(magnitudes: int) -> torch.Tensor:
+    """Every geometric matrix a strong view can draw, ``(len(OP_NAMES), magnitudes, 2, 2, 3)``: entry
+    ``[op, m, s]`` is :func:`_warp_thetas` of op ``op`` at level ``m / 10`` with sign ``-1`` (s = 0) or
+    ``+1`` (s = 1), computed by that function on the same float32 inputs (levels as :func:`sample_ops`
+    makes them), so a lookup is the matrix the strong view would build. Rows of other ops are unused."""
+    ops, mags, signs = torch.meshgrid(
+        torch.arange(len(OP_NAMES)), torch.arange(magnitudes), torch.tensor([-1, 1]), indexing="ij"
+    )
+    table = _warp_thetas(ops.reshape(-1), mags.reshape(-1).float() / _MAX_LEVEL, signs.reshape(-1).float())
+    return table.view(len(OP_NAMES), magnitudes, 2, 2, 3)
 
 
 def apply_op(x: torch.Tensor, op_id: int, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
@@ -461,15 +481,42 @@ def apply_cutout(x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fi
         A new tensor with the squares filled.
     """
     _, _, h, w = x.shape
-    sides, centres = sides.to(x.device), centres.to(x.device)
+    return x.masked_fill(_cutout_mask(h, w, sides.to(x.device), centres.to(x.device)), fill)
+
+
+def _cutout_mask(h: int, w: int, sides: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """The ``(N, 1, H, W)`` mask of :func:`apply_cutout`'s squares (on ``sides``' device)."""
     top = (centres[:, 0] - sides // 2).clamp_min(0)  # RandAugmentMC's CutoutAbs: corner clipped at 0,
     left = (centres[:, 1] - sides // 2).clamp_min(0)  # the far side at the border
-    rows = torch.arange(h, device=x.device).view(1, h)
-    cols = torch.arange(w, device=x.device).view(1, w)
+    rows = torch.arange(h, device=sides.device).view(1, h)
+    cols = torch.arange(w, device=sides.device).view(1, w)
     in_rows = (rows >= top[:, None]) & (rows < (top + sides)[:, None])  # (N, H)
     in_cols = (cols >= left[:, None]) & (cols < (left + sides)[:, None])  # (N, W)
-    mask = (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)  # (N, 1, H, W)
-    return x.masked_fill(mask, fill)
+    return (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)
+
+
+_CUTOUT_TABLE_PIXELS = 32 * 32
+"""Images up to this many pixels keep a table of every cutout mask (at most 1 MiB a size and side)."""
+
+
+@lru_cache(maxsize=4)
+def _cutout_table(h: int, w: int, side: int, device: torch.device) -> torch.Tensor:
+    """Every ``side``-pixel square's mask by its centre, ``(H, W, 1, H, W)``: entry ``[r, c]`` is
+    :func:`_cutout_mask` of centre ``(r, c)``, made by that function. Read only."""
+    centres = torch.cartesian_prod(torch.arange(h, device=device), torch.arange(w, device=device))
+    sides = torch.full((h * w,), side, dtype=torch.long, device=device)
+    return _cutout_mask(h, w, sides, centres).view(h, w, 1, h, w)
+
+
+def _cutout_squares(x: torch.Tensor, side: int, centres: torch.Tensor, fill: float = _GREY) -> torch.Tensor:
+    """:func:`apply_cutout` with one ``side`` for every sample and centres inside the image (as
+    :func:`_sample_cutout` draws them): the masks come from :func:`_cutout_table` on small images
+    (one lookup instead of building each mask), so the result is apply_cutout's, bit for bit."""
+    n, _, h, w = x.shape
+    if h * w > _CUTOUT_TABLE_PIXELS:
+        return apply_cutout(x, torch.full((n,), side, dtype=torch.long), centres, fill)
+    centres = centres.to(x.device)
+    return x.masked_fill(_cutout_table(h, w, side, x.device)[centres[:, 0], centres[:, 1]], fill)
 
 
 def _sample_cutout(n: int, h: int, w: int, side: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -532,15 +579,15 @@ def strong_augment(
     x = weak_augment(x, generator, flip=flip, pad=pad)
     ops, levels, signs, applied = sample_ops(n, generator, num_ops, magnitude, op_prob)
     side = default_cutout(h) if cutout is None else cutout
-    sides, centres = _sample_cutout(n, h, w, side, generator)
+    _, centres = _sample_cutout(n, h, w, side, generator)
     x = x.clone()
-    warp_key, skip_key = len(OP_NAMES), -1
+    keys = _GROUP_KEY[ops].masked_fill_(~applied, _SKIP_KEY)
+    # the matrix each sample's geometric op would get (see _warp_table): its magnitude is levels * 10
+    thetas = _warp_table(max(int(magnitude), 2))[ops, (levels * _MAX_LEVEL).round().long(), (signs > 0).long()]
     for slot in range(num_ops):
-        # each sample's group in this slot: its op, one warp for every geometric op, or none; sorted by
-        # group (stable: sample order within), each group is a slice of one gathered sub-batch
-        key = ops[:, slot].clone()
-        key[_IS_WARP[key]] = warp_key
-        key[~applied[:, slot] | (key == _IDENTITY)] = skip_key
+        # each sample's group in this slot (_GROUP_KEY), sorted by group (stable: sample order within),
+        # each group is a slice of one gathered sub-batch
+        key = keys[:, slot]
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key + 1, minlength=len(OP_NAMES) + 2).tolist()
         chosen = order[counts[0] :]  # counts[0]: the samples no op changes in this slot
@@ -549,16 +596,18 @@ def strong_augment(
         dev_chosen = chosen.to(x.device)
         # x[...] keeps x's strides (index_select would not), and the sharpness blur's conv2d rounds
         # differently in another memory layout; a slice of it keeps them too
-        sub, lv, sg = x[dev_chosen], levels[chosen, slot], signs[chosen, slot]
+        sub = x[dev_chosen]
+        lv = levels[chosen, slot].to(x.device, x.dtype)  # as apply_op moves them, once for the slot
+        sg = signs[chosen, slot].to(x.device, x.dtype)
         start = 0
         for op_id, count in enumerate(counts[1:-1]):
-            if count:
+            if count:  # apply_op of a non-geometric op
                 part = slice(start, start + count)
-                sub[part] = apply_op(sub[part], op_id, lv[part], sg[part])
+                sub[part] = _OPS[OP_NAMES[op_id]](sub[part], lv[part], sg[part]).clamp_(0.0, 1.0)
                 start += count
         if start < len(chosen):
             part = slice(start, None)
-            sub[part] = _affine(sub[part], _warp_thetas(ops[chosen[part], slot], lv[part], sg[part])).clamp_(0.0, 1.0)
+            sub[part] = _affine(sub[part], thetas[chosen[part], slot]).clamp_(0.0, 1.0)
         x[dev_chosen] = sub
-    out = apply_cutout(x, sides, centres).clamp_(0.0, 1.0) if side > 0 else x.clamp_(0.0, 1.0)
+    out = _cutout_squares(x, side, centres).clamp_(0.0, 1.0) if side > 0 else x.clamp_(0.0, 1.0)
     return (out, torch.where(applied, ops, -1)) if return_ops else out
