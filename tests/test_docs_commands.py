@@ -108,6 +108,7 @@ RUN: dict[str, str | None] = {
     r"^python benchmarks/(round_speed\.py --rows |first_round\.py |stacked_clients\.py --algorithms )": None,
     r"^python benchmarks/autocast_step\.py --steps ": None,  # CPU, its own step count (seconds)
     r"^python benchmarks/(augment_speed|max_pool)\.py --repeats ": None,  # CPU, seconds
+    r"^python benchmarks/semifl_overhead\.py --rounds ": None,  # smoke-sized by FEDML_SSFL_SET
     r"^fedml federate build ": None,  # packs the workspace locally, offline
     r"^\. \.venv/bin/activate$": None,
     r"^export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1$": None,
