@@ -125,7 +125,9 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     gen = torch.Generator().manual_seed(0)
     out = {
-        "config": args.config,
+        "config": str(Path(args.config).resolve().relative_to(ROOT))
+        if Path(args.config).resolve().is_relative_to(ROOT)
+        else args.config,
         "machine": result["machine"],
         "round_cpu_seconds": result["cpu_seconds_per_round"],
         "reference_best_cpu_seconds": result["reference_best_cpu_seconds"],

@@ -280,8 +280,9 @@ def replay(
 
     Each :class:`Forward` runs ``model`` on ``inputs[shape]`` in the recorded mode (under
     ``no_grad``, or ``inference_mode`` with ``inference``, when it had no gradient); each
-    :class:`OptimizerStep` takes ``zero_grad``, one backward of the summed cross-entropy of the
-    forwards with gradient since the last step, and ``step``.
+    :class:`OptimizerStep` clears the gradients (:func:`~fedml_ssfl.training.clear_grads`, as the
+    round's steps do), takes one backward of the summed cross-entropy of the forwards with gradient
+    since the last step, and ``step``.
     """
     labels: dict[tuple[int, int, str], torch.Tensor] = {}
     device = next(model.parameters()).device

@@ -308,13 +308,36 @@ def _equalize_by_sorting(x):
         ((5, 1, 8, 8), False, {"magnitude": 5, "cutout": 0}),
     ],
 )
-def test_strong_fast_path_equals_the_op_by_op_path(shape, flip, options) -> None:
+@pytest.mark.parametrize("kind", ["float32", "channels_last", "float64"])
+def test_strong_fast_path_equals_the_op_by_op_path(shape, flip, options, kind) -> None:
     for seed in range(6):
         x = (batch(shape[0], shape[1], shape[2], seed) * 255).round() / 255
         x[:, :, :3, :3] = 0.5  # flat patches: ties for equalize and autocontrast
+        x = (
+            x.double()
+            if kind == "float64"
+            else x.contiguous(memory_format=torch.channels_last)
+            if kind != "float32"
+            else x
+        )
         fast = strong_augment(x, generator(seed, "s"), flip=flip, **options)
         slow = _strong_op_by_op(x, generator(seed, "s"), flip=flip, **options)
         assert torch.equal(fast, slow), (seed, (fast - slow).abs().max())
+        assert fast.dtype == slow.dtype and fast.stride() == slow.stride(), seed
+
+
+def test_strong_fast_path_follows_the_default_dtype() -> None:
+    """Under a float64 default dtype the signs sample_ops draws are float64, and so are the geometric
+    matrices the op-by-op path builds from them: the looked-up ones must be those."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        x = (batch(64, 3, 32, seed=5) * 255).round().float() / 255
+        fast = strong_augment(x, generator(5, "s"), flip=True, num_ops=3, op_prob=1.0)
+        slow = _strong_op_by_op(x, generator(5, "s"), flip=True, num_ops=3, op_prob=1.0)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(fast, slow)
 
 
 def test_equalize_histogram_equals_the_sorted_cdf() -> None:

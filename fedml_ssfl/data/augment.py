@@ -375,15 +375,16 @@ _GROUP_KEY = torch.tensor(
 
 
 @lru_cache(maxsize=8)
-def _warp_table(magnitudes: int) -> torch.Tensor:
+def _warp_table(magnitudes: int, sign_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Every geometric matrix a strong view can draw, ``(len(OP_NAMES), magnitudes, 2, 2, 3)``: entry
     ``[op, m, s]`` is :func:`_warp_thetas` of op ``op`` at level ``m / 10`` with sign ``-1`` (s = 0) or
-    ``+1`` (s = 1), computed by that function on the same float32 inputs (levels as :func:`sample_ops`
-    makes them), so a lookup is the matrix the strong view would build. Rows of other ops are unused."""
+    ``+1`` (s = 1), computed by that function on inputs of the dtypes :func:`sample_ops` draws (float32
+    levels; signs of the default dtype, hence ``sign_dtype``), so a lookup is the matrix the strong view
+    would build. Rows of other ops are unused."""
     ops, mags, signs = torch.meshgrid(
         torch.arange(len(OP_NAMES)), torch.arange(magnitudes), torch.tensor([-1, 1]), indexing="ij"
     )
-    table = _warp_thetas(ops.reshape(-1), mags.reshape(-1).float() / _MAX_LEVEL, signs.reshape(-1).float())
+    table = _warp_thetas(ops.reshape(-1), mags.reshape(-1).float() / _MAX_LEVEL, signs.reshape(-1).to(sign_dtype))
     return table.view(len(OP_NAMES), magnitudes, 2, 2, 3)
 
 
@@ -583,7 +584,8 @@ def strong_augment(
     x = x.clone()
     keys = _GROUP_KEY[ops].masked_fill_(~applied, _SKIP_KEY)
     # the matrix each sample's geometric op would get (see _warp_table): its magnitude is levels * 10
-    thetas = _warp_table(max(int(magnitude), 2))[ops, (levels * _MAX_LEVEL).round().long(), (signs > 0).long()]
+    table = _warp_table(max(int(magnitude), 2), signs.dtype)
+    thetas = table[ops, (levels * _MAX_LEVEL).round().long(), (signs > 0).long()]
     for slot in range(num_ops):
         # each sample's group in this slot (_GROUP_KEY), sorted by group (stable: sample order within),
         # each group is a slice of one gathered sub-batch
