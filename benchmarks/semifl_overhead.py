@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,9 @@ from fedml_ssfl.algorithms import semifl  # noqa: E402
 from fedml_ssfl.config import load_config  # noqa: E402
 from fedml_ssfl.models import build_model  # noqa: E402
 from fedml_ssfl.runtime import common  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from augment_speed import median_ms  # noqa: E402  (CPU ms per call, median)
 
 TARGETS: list[tuple[Any, str]] = [
     (semifl.SemiFL, "client_update"),
@@ -85,17 +87,6 @@ class Counters:
         setattr(owner, name, counted)
 
 
-def warm_ms(fn: Any, repeats: int = 2000) -> float:
-    for _ in range(100):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append((time.process_time() - start) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=str(ROOT / "configs" / "mnist5k" / "semifl.yaml"))
@@ -138,8 +129,8 @@ def main() -> None:
             for k, (n, cpu, other) in sorted(counters.stats.items(), key=lambda kv: -kv[1][2])
         },
         "warm_loop_ms": {
-            "clip_grad_norm (cnn28, 11 tensors)": warm_ms(lambda: training.clip_grad_norm(params, 1.0)),
-            "sample_mix_lambda": warm_ms(lambda: semifl.sample_mix_lambda(0.75, gen)),
+            "clip_grad_norm (cnn28, 11 tensors)": median_ms(lambda: training.clip_grad_norm(params, 1.0), 2000),
+            "sample_mix_lambda": median_ms(lambda: semifl.sample_mix_lambda(0.75, gen), 2000),
         },
     }
     print(f"round {out['round_cpu_seconds']:.3f} CPU s, reference {out['reference_best_cpu_seconds']:.3f}")
