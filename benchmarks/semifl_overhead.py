@@ -7,8 +7,8 @@ augmentation, plain inputs): what the function costs beyond the passes. Figures 
 measured round. Counters are inclusive (``SemiFL._step`` includes the mixup functions it calls) and
 each adds a few microseconds per call.
 
-It also times the two small per-step costs in a warm loop (clipping cnn28's gradients, one mixup
-lambda draw), to compare with what they cost inside the round. Usage::
+It also times two small costs in a warm loop (clipping cnn28's gradients, the mixup
+lambda draws of a client's 16 steps), to compare with what they cost inside the round. Usage::
 
     python benchmarks/semifl_overhead.py [CONFIG] [--rounds 1] [--out benchmarks/results/semifl_overhead.json]
 """
@@ -39,10 +39,11 @@ from augment_speed import median_ms  # noqa: E402  (CPU ms per call, median)
 
 TARGETS: list[tuple[Any, str]] = [
     (semifl.SemiFL, "client_update"),
-    (semifl.SemiFL, "_step"),
+    (semifl.SemiFL, "_views"),
+    (semifl.SemiFL, "_loss"),
     (semifl.SemiFL, "_fine_tune"),
     (semifl.SemiFL, "aggregate"),
-    (semifl, "sample_mix_lambda"),
+    (semifl, "sample_mix_lambdas"),
     (semifl, "mixup_loss"),
     (semifl, "mix_inputs"),
     (semifl, "bn_sums"),
@@ -130,7 +131,7 @@ def main() -> None:
         },
         "warm_loop_ms": {
             "clip_grad_norm (cnn28, 11 tensors)": median_ms(lambda: training.clip_grad_norm(params, 1.0), 2000),
-            "sample_mix_lambda": median_ms(lambda: semifl.sample_mix_lambda(0.75, gen), 2000),
+            "sample_mix_lambdas (16 draws)": median_ms(lambda: semifl.sample_mix_lambdas(0.75, 16, gen), 2000),
         },
     }
     print(f"round {out['round_cpu_seconds']:.3f} CPU s, reference {out['reference_best_cpu_seconds']:.3f}")

@@ -203,6 +203,18 @@ def test_every_op_runs(op_id: int, channels: int) -> None:
             assert not torch.allclose(out, x)
 
 
+def test_brightness_and_color_are_pils_blends() -> None:
+    # PIL's ImageEnhance: Brightness blends with a black image (f x), Color with the image's grey, which
+    # for one channel is the image itself (no change); f = 0.05 + 0.95 level (RandAugmentMC)
+    level, sign = torch.tensor([0.1, 0.5, 0.9, 1.0]), torch.tensor([1.0, -1.0, 1.0, -1.0])
+    factor = (0.05 + 0.95 * level).view(-1, 1, 1, 1)
+    for channels in (1, 3):
+        x = batch(4, channels, 16, seed=channels)
+        assert torch.equal(apply_op(x.clone(), OP_NAMES.index("Brightness"), level, sign), factor * x)
+    grey = batch(4, 1, 16, seed=5)
+    assert torch.equal(apply_op(grey.clone(), OP_NAMES.index("Color"), level, sign), grey)
+
+
 def test_cutout_is_one_fixed_grey_square_clipped_only_at_the_far_border() -> None:
     # RandAugmentMC's CutoutAbs: 16 px at 32x32, 7 px at 28x28; the corner is moved inside the
     # image, so only the far border can clip the square

@@ -285,6 +285,27 @@ def test_clip_grad_norm_is_torchs_bit_for_bit(scale, mixed_dtypes):
         assert not torch.equal(results[1][0], grads[0])  # the bound was hit: the gradients were scaled
 
 
+def test_clip_coefficient_is_torchs_float32_arithmetic():
+    """The CPU clip computes torch's coefficient on Python floats rounded to float32: over norms from
+    1e-30 to 1e30 and bounds from 1e-3 to 1e3, the clipped gradients equal clip_grad_norm_'s bit for bit."""
+    from fedml_ssfl.training import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(400):
+        scale = 10.0 ** float(torch.empty(()).uniform_(-30, 30, generator=gen))
+        max_norm = 10.0 ** float(torch.empty(()).uniform_(-3, 3, generator=gen))
+        grads = [torch.randn(s, generator=gen) * scale for s in [(7, 3), (5,), (2, 2, 3)]]
+        clipped = []
+        for clip in (nn.utils.clip_grad_norm_, clip_grad_norm):
+            params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            clip(params, max_norm)
+            clipped.append([p.grad.view(torch.int32) for p in params])
+        for want, got in zip(*clipped):
+            assert torch.equal(want, got), (trial, scale, max_norm)
+
+
 def test_clear_grads_is_zero_grad_set_to_none():
     from fedml_ssfl.training import clear_grads
 

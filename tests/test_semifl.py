@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedml_ssfl.algorithms import semifl as semifl_module
 from fedml_ssfl.algorithms.base import ClientContext, ClientData, DataInfo, Message, ServerData, TrainSettings
 from fedml_ssfl.algorithms.semifl import (
     SemiFL,
@@ -462,16 +463,23 @@ def test_client_fix_set_is_the_confident_samples_of_the_received_model(monkeypat
     assert 0 < len(expected_fix) < data.num_unlabeled
     label_of = {int(data.unlabeled_idx[i]): int(pseudo[i]) for i in range(data.num_unlabeled)}
 
-    calls = []
-    original = SemiFL._step
+    indices, labels = [], []  # per step: (fix_idx, mix_idx) as views are made, (y_fix, y_mix) as trained
+    original_views, original_loss = SemiFL._views, SemiFL._loss
 
-    def spy(self, model, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, *rest):
-        calls.append((fix_idx.clone(), y_fix.clone(), mix_idx.clone(), y_mix.clone()))
-        return original(self, model, pipeline, images, fix_idx, y_fix, mix_idx, y_mix, *rest)
+    def spy_views(self, pipeline, images, steps, gen):
+        indices.extend((f.clone(), m.clone()) for f, m in steps)
+        return original_views(self, pipeline, images, steps, gen)
 
-    monkeypatch.setattr(SemiFL, "_step", spy)
+    def spy_loss(self, model, x_strong, x_weak, y_fix, y_mix, lam):
+        labels.append((y_fix.clone(), y_mix.clone()))
+        return original_loss(self, model, x_strong, x_weak, y_fix, y_mix, lam)
+
+    monkeypatch.setattr(SemiFL, "_views", spy_views)
+    monkeypatch.setattr(SemiFL, "_loss", spy_loss)
     reply = algo.client_update(msg, data, {}, ctx)
     assert not reply.is_empty
+    assert len(indices) == len(labels) > 1
+    calls = [(f, yf, m, ym) for (f, m), (yf, ym) in zip(indices, labels)]
     assert reply.extras["metrics"]["mask_rate"] == pytest.approx(len(expected_fix) / data.num_unlabeled)
     fixed = [int(i) for c in calls for i in c[0]]
     assert sorted(fixed) == sorted(expected_fix)  # one epoch: each fix sample once
@@ -481,6 +489,43 @@ def test_client_fix_set_is_the_confident_samples_of_the_received_model(monkeypat
         assert y_mix.tolist() == [label_of[int(i)] for i in mix_idx]
     mixed = {int(i) for c in calls for i in c[2]}
     assert mixed <= set(data.unlabeled_idx.tolist()) and not mixed <= expected_fix
+
+
+@pytest.mark.parametrize("chunk_values", [2**20, 3 * 8 * 64, 1])
+def test_views_made_a_chunk_at_a_time_follow_eq5_step_by_step(monkeypatch, chunk_values) -> None:
+    # A client's steps get their views together (one strong and one weak call a chunk of steps):
+    # each step still gets A of its own fix batch and alpha of lambda x_fix + (1 - lambda) x_mix
+    # with its own lambda (Eq. 5). Augmentation is replaced by normalisation so that each view can
+    # be recomputed from its step's indices; chunks of all 30 steps, of 3 and of 1.
+    monkeypatch.setattr(InputPipeline, "strong", lambda self, x, gen: self.plain(x))
+    monkeypatch.setattr(InputPipeline, "weak", lambda self, x, gen: self.plain(x))
+    monkeypatch.setattr(semifl_module, "VIEW_CHUNK_VALUES", chunk_values)
+    algo = _algo(threshold=0.0)  # every sample in the fix set: 48 of them, 6 batches of 8 an epoch, 5 epochs
+    data = _client(algo)
+    pipeline = InputPipeline(INFO, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    sets = fix_mix_sets(torch.softmax(torch.randn(48, 3, generator=gen), dim=1), 0.0, gen)
+    ux = data.unlabeled_idx
+    label_of = {int(ux[p]): int(y) for p, y in zip(sets.fix, sets.fix_labels)}
+    label_of.update({int(ux[p]): int(y) for p, y in zip(sets.mix, sets.mix_labels)})
+    chunks, original = [], SemiFL._views
+
+    def spy(self, p, images, steps, g):
+        chunks.append(list(steps))
+        return original(self, p, images, steps, g)
+
+    monkeypatch.setattr(SemiFL, "_views", spy)
+    steps = list(algo._global_label_steps(pipeline, data, sets, gen))
+    assert len(steps) == 30 and [len(c) for c in chunks] == {2**20: [30], 1536: [3] * 10, 1: [1] * 30}[chunk_values]
+    lams = []
+    for (fix_idx, mix_idx), (y_fix, y_mix, (lam, x_strong, x_weak)) in zip([s for c in chunks for s in c], steps):
+        assert y_fix.tolist() == [label_of[int(i)] for i in fix_idx]
+        assert y_mix.tolist() == [label_of[int(i)] for i in mix_idx]
+        assert torch.equal(x_strong, pipeline.plain(data.images[fix_idx]))
+        mixed = lam * pipeline.raw(data.images[fix_idx]) + (1 - lam) * pipeline.raw(data.images[mix_idx])
+        assert torch.equal(x_weak, pipeline.plain(mixed))
+        lams.append(lam)
+    assert len(set(lams)) == 30 and all(0 < lam < 1 for lam in lams)
 
 
 def test_client_step_is_eq5_and_eq6() -> None:

@@ -86,10 +86,16 @@ Deviations and choices:
 * ``pseudo_labels: batch`` labels each batch with the training model in eval mode (running
   statistics as they stand) and mixes within the batch; with ``local_epochs`` an epoch is one
   pass over the client's data.
+* Random draws: with the default pseudo-labels a client's steps get their views a chunk of steps
+  at a time (:data:`VIEW_CHUNK_VALUES`, :meth:`SemiFL._global_label_steps`): the chunk's batches,
+  its lambdas, A of all its fix images, alpha of all its mixtures. The equations per step are
+  unchanged; the random numbers each view gets differ from a step-by-step order (a one-step chunk
+  is that order). It makes one augmentation call per chunk instead of two per step.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -104,7 +110,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import seeding
 from ..aggregation import Scratch, dense_layout, weighted_average
 from ..errors import ConfigError
-from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambda
+from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambdas
 from ..ssl.pseudo_label import PseudoLabels, kept_accuracy, pseudo_labels
 from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, run_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
@@ -115,6 +121,10 @@ from .registry import register_algorithm
 log = logging.getLogger(__name__)
 
 SBN_MODES = ("federated", "server", "all_data_nonfederated", "off")
+
+VIEW_CHUNK_VALUES = 2**20
+"""A client's steps have their augmented views made together in chunks of about this many input values
+(4 MiB of float32 per view): :meth:`SemiFL._global_label_steps`."""
 BNSums = dict[str, dict[str, torch.Tensor]]
 
 
@@ -552,14 +562,46 @@ class SemiFL(GlobalModelAlgorithm):
     ) -> Step:
         """One local step's loss, ``L_fix + lambda L_mix`` (Eq. 5/6), and its ``mix_lambda``.
 
-        Draws ``lambda_mix``, then A(x_fix), then alpha(x_mix) from ``gen``.
+        Draws ``lambda_mix``, then A(x_fix), then alpha(x_mix) from ``gen`` (:meth:`_views` of one step).
         """
-        device = pipeline.device
-        lam = sample_mix_lambda(self.config.mixup_alpha, gen)
-        y_fix, y_mix = y_fix.to(device), y_mix.to(device)
-        loss_fix = F.cross_entropy(model(pipeline.strong(images[fix_idx], gen)), y_fix)
-        mixed = mix_inputs(pipeline.raw(images[fix_idx]), pipeline.raw(images[mix_idx]), lam)
-        loss_mix = mixup_loss(model(pipeline.weak(mixed, gen)), y_fix, y_mix, lam)
+        ((lam, x_strong, x_weak),) = self._views(pipeline, images, [(fix_idx, mix_idx)], gen)
+        return self._loss(model, x_strong, x_weak, y_fix, y_mix, lam)
+
+    def _views(
+        self,
+        pipeline: InputPipeline,
+        images: torch.Tensor,
+        steps: list[tuple[torch.Tensor, torch.Tensor]],
+        gen: torch.Generator,
+    ) -> list[tuple[float, torch.Tensor, torch.Tensor]]:
+        """Each step's ``(lambda_mix, A(x_fix), alpha(x_mix))`` for ``steps`` of ``(fix_idx, mix_idx)``
+        (Eq. 5): ``x_mix = lambda_mix x_fix + (1 - lambda_mix) x_mix`` with the step's own ``lambda_mix``.
+
+        Made together: the steps' ``lambda_mix`` (:func:`sample_mix_lambdas`), then A of all their fix
+        images, then alpha of all their mixtures, each one call, all drawn from ``gen`` in that order.
+        """
+        sizes = [int(fix.numel()) for fix, _ in steps]
+        lams = sample_mix_lambdas(self.config.mixup_alpha, len(steps), gen)
+        x_fix = pipeline.raw(images[torch.cat([fix for fix, _ in steps])])  # strong copies it before changing it
+        x_strong = pipeline.strong(x_fix, gen)
+        weights = torch.tensor(lams, dtype=torch.float64).repeat_interleave(torch.tensor(sizes))
+        mixed = mix_inputs(x_fix, pipeline.raw(images[torch.cat([mix for _, mix in steps])]), weights)
+        x_weak = pipeline.weak(mixed, gen)
+        return list(zip(lams, x_strong.split(sizes), x_weak.split(sizes)))
+
+    def _loss(
+        self,
+        model: nn.Module,
+        x_strong: torch.Tensor,
+        x_weak: torch.Tensor,
+        y_fix: torch.Tensor,
+        y_mix: torch.Tensor,
+        lam: float,
+    ) -> Step:
+        """``L_fix + lambda L_mix`` (Eq. 5/6) on a step's views (:meth:`_views`)."""
+        y_fix, y_mix = y_fix.to(x_strong.device), y_mix.to(x_weak.device)
+        loss_fix = F.cross_entropy(model(x_strong), y_fix)
+        loss_mix = mixup_loss(model(x_weak), y_fix, y_mix, lam)
         loss = loss_fix + self.config.loss_lambda * loss_mix
         return Step(loss, {"mix_lambda": lam})
 
@@ -598,18 +640,35 @@ class SemiFL(GlobalModelAlgorithm):
         acc = kept_accuracy(sets.pseudo.labels, truth, sets.pseudo.mask)
         if acc is not None:
             metrics["pseudo_acc"] = acc
-        ux = data.unlabeled_idx
 
-        def step(batches: tuple[torch.Tensor, torch.Tensor]) -> Step:
-            fb, mb = batches
-            fix, mix = sets.fix[fb], sets.mix[mb]
-            return self._step(
-                model, pipeline, data.images, ux[fix], sets.fix_labels[fb], ux[mix], sets.mix_labels[mb], gen
-            )
+        def step(item: tuple[torch.Tensor, torch.Tensor, tuple[float, torch.Tensor, torch.Tensor]]) -> Step:
+            y_fix, y_mix, (lam, x_strong, x_weak) = item
+            return self._loss(model, x_strong, x_weak, y_fix, y_mix, lam)
 
-        batches = self._fix_mix_batches(sets.fix.numel(), gen)
-        metrics.update(self._train(model, step, batches, ctx, client_party(data.client_id)))
+        steps = self._global_label_steps(pipeline, data, sets, gen)
+        metrics.update(self._train(model, step, steps, ctx, client_party(data.client_id)))
         return metrics, True
+
+    def _global_label_steps(
+        self, pipeline: InputPipeline, data: ClientData, sets: FixMixSets, gen: torch.Generator
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[float, torch.Tensor, torch.Tensor]]]:
+        """Each step's ``(y_fix, y_mix, views)``: the batches of :meth:`_fix_mix_batches`, their
+        views made (:meth:`_views`) a chunk of steps at a time, as the steps come to them.
+
+        A chunk is as many steps as make about :data:`VIEW_CHUNK_VALUES` input values (at least one):
+        one strong and one weak call per chunk instead of one per step (16 steps of 64 MNIST images:
+        one chunk). The chunks depend on the batch size and image shape only, so a config draws
+        the same views on any machine.
+        """
+        ux = data.unlabeled_idx
+        values = self.train.batch_size * math.prod(data.images.shape[1:])
+        per_chunk = max(1, VIEW_CHUNK_VALUES // max(values, 1))
+        batches = self._fix_mix_batches(sets.fix.numel(), gen)
+        while chunk := list(itertools.islice(batches, per_chunk)):
+            steps = [(ux[sets.fix[fb]], ux[sets.mix[mb]]) for fb, mb in chunk]
+            views = self._views(pipeline, data.images, steps, gen)
+            for (fb, mb), step_views in zip(chunk, views):
+                yield sets.fix_labels[fb], sets.mix_labels[mb], step_views
 
     def _fix_mix_batches(self, n_fix: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Pairs of equal-size batches of positions into the fix and the mix set.

@@ -89,9 +89,13 @@ def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> t
     torch.Tensor
         Normalised images (a new tensor).
     """
-    m = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-    s = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-    return (x - m) / s
+    return (x - _channel_values(tuple(mean), x.dtype, x.device)) / _channel_values(tuple(std), x.dtype, x.device)
+
+
+@lru_cache(maxsize=32)
+def _channel_values(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a ``(1, C, 1, 1)`` tensor, made once per dtype and device (read only)."""
+    return torch.as_tensor(values, dtype=dtype, device=device).view(1, -1, 1, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +226,8 @@ def _autocontrast(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> t
 
 
 def _brightness(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    return _blend(x, torch.zeros_like(x), _enhance_factor(level, sign))
+    # _blend with a black base, 0 + f (x - 0), is f x: the same values in one multiplication
+    return _per_sample(_enhance_factor(level, sign)) * x
 
 
 def _color(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
@@ -276,12 +281,17 @@ def _solarize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch
 def _sharpness(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
     """PIL's SMOOTH kernel (1 1 1 / 1 5 1 / 1 1 1) / 13 as the blurred base; borders unchanged."""
     c = x.shape[1]
-    k = torch.ones(3, 3, dtype=x.dtype, device=x.device)
-    k[1, 1] = 5.0
-    k = (k / 13.0).expand(c, 1, 3, 3)
     blurred = x.clone()
-    blurred[:, :, 1:-1, 1:-1] = F.conv2d(x, k, groups=c)
+    blurred[:, :, 1:-1, 1:-1] = F.conv2d(x, _smooth_kernel(x.dtype, x.device).expand(c, 1, 3, 3), groups=c)
     return _blend(x, blurred, _enhance_factor(level, sign))
+
+
+@lru_cache(maxsize=8)
+def _smooth_kernel(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """PIL's SMOOTH kernel ``(3, 3)``, made once per dtype and device (read only)."""
+    k = torch.ones(3, 3, dtype=dtype, device=device)
+    k[1, 1] = 5.0
+    return k / 13.0
 
 
 def _affine(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -372,6 +382,9 @@ _GROUP_KEY = torch.tensor(
 )
 """Per op id, the group a strong slot applies it in: the op itself, one warp for every geometric op
 (:data:`_WARP_KEY`), or none for Identity (:data:`_SKIP_KEY`)."""
+_GROUP_KEY_ONE_CHANNEL = _GROUP_KEY.masked_fill(torch.arange(len(OP_NAMES)) == OP_NAMES.index("Color"), _SKIP_KEY)
+""":data:`_GROUP_KEY` for one-channel images, where Color is skipped too: an image's grey is itself, and
+``x + f (x - x)`` is ``x`` exactly."""
 
 
 @lru_cache(maxsize=8)
@@ -574,15 +587,16 @@ def strong_augment(
     Returns
     -------
     torch.Tensor or (torch.Tensor, torch.Tensor)
-        Augmented images in ``[0, 1]``; with ``return_ops``, also int64 ``(N, num_ops)`` op ids.
+        Augmented images in ``[0, 1]`` (a new tensor: ``x`` is left as it is); with ``return_ops``,
+        also int64 ``(N, num_ops)`` op ids.
     """
-    n, _, h, w = x.shape
+    n, c, h, w = x.shape
     x = weak_augment(x, generator, flip=flip, pad=pad)
     ops, levels, signs, applied = sample_ops(n, generator, num_ops, magnitude, op_prob)
     side = default_cutout(h) if cutout is None else cutout
     _, centres = _sample_cutout(n, h, w, side, generator)
     x = x.clone()
-    keys = _GROUP_KEY[ops].masked_fill_(~applied, _SKIP_KEY)
+    keys = (_GROUP_KEY if c > 1 else _GROUP_KEY_ONE_CHANNEL)[ops].masked_fill_(~applied, _SKIP_KEY)
     # the matrix each sample's geometric op would get (see _warp_table): its magnitude is levels * 10
     table = _warp_table(max(int(magnitude), 2), signs.dtype)
     thetas = table[ops, (levels * _MAX_LEVEL).round().long(), (signs > 0).long()]
