@@ -257,18 +257,19 @@ def test_clients_never_write_to_the_messages_they_share(small_config, algorithm)
 
 # ---- the optimiser step's clip and gradient reset (training.py) ---------------------------------
 @pytest.mark.parametrize("scale", [1e-4, 0.3, 50.0, float("inf"), float("nan")])
-@pytest.mark.parametrize("mixed_dtypes", [False, True])
-def test_clip_grad_norm_is_torchs_bit_for_bit(scale, mixed_dtypes):
-    """Gradients below and above the bound, inf and NaN, a parameter without a gradient, and (mixed
-    dtypes) the fallback to torch's function: the clipped gradients equal nn.utils.clip_grad_norm_'s."""
+@pytest.mark.parametrize("kind", ["float32", "float64", "mixed"])
+def test_clip_grad_norm_is_torchs_bit_for_bit(scale, kind):
+    """Gradients below and above the bound, inf and NaN, a parameter without a gradient: the clipped
+    gradients equal nn.utils.clip_grad_norm_'s on each path (float32 on the CPU: the coefficient on
+    Python floats; float64: the tensor coefficient, as on a GPU; mixed dtypes: torch's function)."""
     from fedml_ssfl.training import clip_grad_norm
 
     gen = torch.Generator().manual_seed(7)
     shapes = [(16, 1, 3, 3), (16,), (32, 16, 3, 3), (10, 64), (10,)]
-    params = [
-        nn.Parameter(torch.zeros(s, dtype=torch.float64 if mixed_dtypes and i == 1 else torch.float32))
-        for i, s in enumerate(shapes)
-    ]
+    dtypes = {"float32": [torch.float32] * 5, "float64": [torch.float64] * 5}.get(
+        kind, [torch.float32, torch.float64, torch.float32, torch.float32, torch.float32]
+    )
+    params = [nn.Parameter(torch.zeros(s, dtype=d)) for s, d in zip(shapes, dtypes)]
     grads = [
         None if i == 3 else (torch.randn(s, generator=gen) * scale).to(p.dtype)
         for i, (s, p) in enumerate(zip(shapes, params))
