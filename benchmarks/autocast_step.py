@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from step_timing import alternate  # noqa: E402  (benchmarks/step_timing.py)
 
 from fedml_ssfl.bench import machine_info  # noqa: E402
 from fedml_ssfl.models import build_model  # noqa: E402
@@ -42,27 +40,7 @@ def step_times(device: torch.device, norm: str, batch: int, steps: int, warmup: 
         model = build_model("cnn28", num_classes=10, in_channels=1, image_size=28, norm=norm)
         model = apply_precision(apply_layout(model, "auto", device.type), choice).to(device)
         runs[choice] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    cuda = device.type == "cuda"
-    clock = time.perf_counter if cuda else time.process_time
-
-    def step(choice: str) -> float:
-        model, opt = runs[choice]
-        t0 = clock()
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        return clock() - t0
-
-    times: dict[str, list[float]] = {c: [] for c in runs}
-    for i in range(warmup + steps):
-        for choice in runs:
-            t = step(choice)
-            if i >= warmup:
-                times[choice].append(t)
-    return {c: statistics.median(v) for c, v in times.items()}
+    return alternate(runs, x, y, steps, warmup)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Writes ``benchmarks/results/default_job.json``: wall seconds (whole command, including the
 server-only comparison run), the accuracies of both rows, and the machine. Usage::
 
-    python benchmarks/default_job.py [--threads 2]
+    python benchmarks/default_job.py [--threads 1]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1, as in the config)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "default_job.json"))
     args = parser.parse_args(argv)
     exe = shutil.which("fedml-ssfl", path=str(Path(sys.executable).parent)) or "fedml-ssfl"

@@ -119,9 +119,9 @@ def plot(rows: list[dict], path: Path, target: float = 1.10) -> None:
     ax2.legend(fontsize=8)
     ax2.grid(axis="y", alpha=0.3)
     m = rows[0]["machine"]
-    fig.suptitle(
-        f"{m['cpu']}, {m['torch_threads']} torch thread(s), torch {m['torch']}, {m['date']}", fontsize=9, y=0.99
-    )
+    dates = sorted(r["machine"]["date"] for r in rows)
+    when = dates[0] if dates[0] == dates[-1] else f"rows measured {dates[0]} to {dates[-1]}"
+    fig.suptitle(f"{m['cpu']}, {m['torch_threads']} torch thread(s), torch {m['torch']}, {when}", fontsize=9, y=0.99)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

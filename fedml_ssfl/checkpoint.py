@@ -123,9 +123,10 @@ IGNORED_KEYS = (
     "tracking_args.progress_bar",
     "device_args.state_memory_mb",
     "device_args.state_spill_dir",
+    "device_args.data_on_device",
 )
 """Config keys a resume may change (where outputs go, the run id, the progress bar, where client states
-live): not in the fingerprint."""
+and images live): not in the fingerprint."""
 
 _SHOWN = 8
 """How many differing keys a refusal names before it counts the rest."""

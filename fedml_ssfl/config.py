@@ -157,8 +157,8 @@ class DeviceArgs:
     # the fingerprint: it changes no result, so a run may resume under another budget.
     state_memory_mb: float = 0.0
     state_spill_dir: str = ""  # where states spill ("": the run folder); each run makes a folder of its own in it
-    # the layout models compute in (weights and inputs): auto (on CPU channels_last for a model with max-pooling
-    # and no GroupNorm, else contiguous: the faster one, docs/performance.md) | channels_last | contiguous |
+    # the layout models compute in (weights and inputs): auto (on CPU channels_last for a model without GroupNorm,
+    # else contiguous: the faster one, docs/performance.md) | channels_last | contiguous |
     # unchanged (inputs keep the augmentation's strides, as before issue 15: reproduces earlier runs bit for
     # bit). The layouts differ only in float rounding (fedml_ssfl/models/layout.py)
     memory_format: str = "auto"
@@ -166,6 +166,9 @@ class DeviceArgs:
     # before the key) | bf16 (torch.autocast with bfloat16; weights, optimiser state and everything computed
     # from the logits stay float32; fedml_ssfl/models/precision.py, docs/performance.md "Mixed precision")
     autocast: str = "off"
+    # keep the run's uint8 training and test images on the device (copied once when the experiment is built)
+    # instead of copying each batch there; same results. Not in the fingerprint (fedml_ssfl/data/placement.py)
+    data_on_device: bool = False
 
 
 @dataclass
@@ -264,9 +267,9 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
 ]
 
 
-RESOURCE_KEYS = ("state_memory_mb", "state_spill_dir")
-"""``device_args`` keys that say how to use the machine's memory and disk, not what is computed: left out
-of :meth:`ExperimentConfig.fingerprint`, so a run resumes under another value."""
+RESOURCE_KEYS = ("state_memory_mb", "state_spill_dir", "data_on_device")
+"""``device_args`` keys that say how to use the machine's memory and disk (and the device's), not what is
+computed: left out of :meth:`ExperimentConfig.fingerprint`, so a run resumes under another value."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from .algorithms import registry
 from .algorithms.base import Algorithm, ClientData, DataInfo, ServerData, TrainSettings
 from .config import ConfigError, ExperimentConfig, partition_options
 from .data import ImageDataset, Split, build_split, load_dataset
+from .data.placement import place_dataset, place_images
 from .models import build_model
 from .models.layout import apply_layout
 from .models.precision import apply_precision, check_autocast_device
@@ -315,6 +316,8 @@ def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None)
     dataset = dataset or load_experiment_dataset(cfg)
     split = make_split(cfg, dataset)
     info = data_info(dataset)
+    if cfg.device_args.data_on_device:
+        dataset = place_dataset(dataset, device)
     server = ServerData(
         images=dataset.train_images,
         labels=dataset.train_labels,
@@ -416,7 +419,7 @@ def build_silo_experiment(cfg: ExperimentConfig, meta, rank: int) -> SiloExperim
         data_info=info,
         algorithm=algo,
         device=device,
-        images=data.images,
+        images=place_images(data.images, device) if cfg.device_args.data_on_device else data.images,
         labels=data.labels,
         unlabeled_idx=unlabeled,
         labeled_idx=labeled,

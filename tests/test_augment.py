@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedml_ssfl.data import normalize, strong_augment, to_float, weak_augment
+from fedml_ssfl.data import augment, normalize, strong_augment, to_float, weak_augment
 from fedml_ssfl.data.augment import OP_NAMES, apply_op, default_cutout, sample_ops
 from fedml_ssfl.seeding import generator
 
@@ -299,18 +299,6 @@ def _strong_op_by_op(x, gen, *, flip, num_ops=2, magnitude=10, op_prob=0.5, cuto
     return apply_cutout(x, sides, centres).clamp_(0.0, 1.0) if side > 0 else x.clamp_(0.0, 1.0)
 
 
-def _equalize_by_sorting(x):
-    """The searchsorted CDF (the GPU path), to check the CPU histogram against."""
-    m, c, h, w = x.shape
-    q = (x * 255.0).round().clamp_(0.0, 255.0).reshape(m * c, h * w).contiguous()
-    ordered, _ = torch.sort(q, dim=1)
-    cdf = torch.searchsorted(ordered, q, right=True).to(x.dtype)
-    cdf_min = torch.searchsorted(ordered, ordered[:, :1].contiguous(), right=True).to(x.dtype)
-    span = h * w - cdf_min
-    out = ((cdf - cdf_min) / span.clamp_min(1.0)).view(m, c, h, w)
-    return torch.where(span.view(m, c, 1, 1) > 0, out, x).clamp_(0.0, 1.0)
-
-
 @pytest.mark.parametrize(
     ("shape", "flip", "options"),
     [
@@ -352,10 +340,38 @@ def test_strong_fast_path_follows_the_default_dtype() -> None:
     assert torch.equal(fast, slow)
 
 
-def test_equalize_histogram_equals_the_sorted_cdf() -> None:
+def test_equalize_histogram_equals_the_sorted_cdf(monkeypatch) -> None:
+    """Both ways of counting (the CPU's histogram, the sorted rows used on a GPU) equal the counts
+    written out, and equalize gives the same images whichever it uses."""
     x = (batch(9, 3, 16, seed=3) * 255).round() / 255
     x[0] = 0.25  # a single-valued image is left unchanged
     x[1, :, :8] = 0.0
+    q = (x * 255).round().reshape(27, -1)
+    at_or_below = (q.unsqueeze(1) <= q.unsqueeze(2)).sum(dim=2)  # [row, pixel]: pixels at or below its level
+    lowest = (q <= q.amin(dim=1, keepdim=True)).sum(dim=1, keepdim=True)
+    for counts in (augment._cdf_by_histogram, augment._cdf_by_sorting):
+        cdf, cdf_min = counts(q.clone())
+        assert torch.equal(cdf, at_or_below) and torch.equal(cdf_min, lowest), counts.__name__
     out = apply_op(x.clone(), OP_NAMES.index("Equalize"), torch.ones(9), torch.ones(9))
-    assert torch.equal(out, _equalize_by_sorting(x.clone()))
+    monkeypatch.setattr(augment, "_cdf_by_histogram", augment._cdf_by_sorting)  # the GPU's way, on the CPU
+    assert torch.equal(apply_op(x.clone(), OP_NAMES.index("Equalize"), torch.ones(9), torch.ones(9)), out)
     assert torch.equal(out[0], x[0])
+
+
+def test_the_gpu_parity_script_runs_on_the_cpu(tmp_path) -> None:
+    """benchmarks/gpu_augment_check.py, run here with --device cpu: the code a GPU machine runs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_augment_check.py"
+    out = tmp_path / "check.json"
+    args = [sys.executable, str(script), "--device", "cpu", "--batch", "4", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["view"]) for r in rows] == [
+        ([4, c, s, s], v) for c, s in ((1, 28), (3, 32)) for v in ("weak", "strong")
+    ]
+    assert all(r["max_abs_diff"] == 0.0 and r["ms_per_call"] > 0 for r in rows)

@@ -8,6 +8,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
+from fedml_ssfl import bench
 from fedml_ssfl.bench import (
     Forward,
     OptimizerStep,
@@ -129,6 +130,31 @@ def test_a_round_and_its_reference_do_the_same_passes(small_config):
     assert result["peak_rss_mb"] > 0 and len(result["machine"]["loadavg"]) == 3
     text = format_bench(result)
     assert "reference channels_last+inference" in text and "CPU ratio" in text
+
+
+def test_the_compile_variant_compiles_once_and_times_its_replays_apart(small_config, monkeypatch):
+    compiled: list[nn.Module] = []
+
+    def fake_compile(model):  # torch.compile's contract: a callable running the model
+        compiled.append(model)
+        return model
+
+    monkeypatch.setattr(bench.torch, "compile", fake_compile)
+    replays: list[str] = []
+    real_run = Reference.run
+
+    def counted(self, *args):
+        replays.append(self.name)
+        return real_run(self, *args)
+
+    monkeypatch.setattr(Reference, "run", counted)
+    cfg = small_config("ssfl_args.algorithm=fedavg_ssl", "train_args.local_steps=1")
+    result = measure_round_speed(cfg, rounds=2, warmup=0, variants=["eager", "compile"])
+    assert len(compiled) == 1
+    # the first replay compiles: its seconds are reported apart and it is replayed again to be timed
+    assert replays == ["eager", "compile", "compile", "eager", "compile"]
+    assert set(result["compile_seconds"]) == {"compile"} and result["compile_seconds"]["compile"] > 0
+    assert "compile (compile): first replay" in format_bench(result)
 
 
 def test_the_bench_refuses_impossible_counts(small_config):

@@ -90,7 +90,16 @@ EXCLUDED: dict[str, str] = {
     ),
     r"^python benchmarks/stacked_clients\.py --device cuda\b": "needs a CUDA device (this CI has none)",
     r"^(python benchmarks/autocast_step\.py --device cuda|fedml-ssfl (bench|run) .*--set device_args\.device=cuda)\b": (
-        "needs a CUDA device (this CI has none): docs/performance.md's GPU measurements of device_args.autocast"
+        "needs a CUDA device (this CI has none): docs/performance.md's GPU measurements"
+    ),
+    r"^python benchmarks/gpu_augment_check\.py$": "needs a CUDA device (none here); its --device cpu run runs here",
+    r"^python benchmarks/layout_step\.py\b": (
+        "seven models' training steps in two layouts (two minutes here); its figures are committed in "
+        "benchmarks/results/layout_step.json and tests/test_performance.py tests the choice it informs"
+    ),
+    r"^python benchmarks/compile_step\.py\b": (
+        "compiles with inductor (20 s to a minute of C++ compilation here); tests/test_bench.py tests the bench's "
+        "compile variant, and the figures are committed in benchmarks/results/compile_step.json"
     ),
     r"^python benchmarks/state_memory\.py$": (
         "a benchmark sweep (K up to 10,000, minutes); its figures are committed in benchmarks/results/ and "
@@ -108,6 +117,7 @@ RUN: dict[str, str | None] = {
     r"^python benchmarks/(round_speed\.py --rows |first_round\.py |stacked_clients\.py --algorithms )": None,
     r"^python benchmarks/autocast_step\.py --steps ": None,  # CPU, its own step count (seconds)
     r"^python benchmarks/(augment_speed|max_pool)\.py --repeats ": None,  # CPU, seconds
+    r"^python benchmarks/gpu_augment_check\.py --device cpu ": None,  # the parity script on the CPU, seconds
     r"^python benchmarks/semifl_overhead\.py --rounds ": None,  # smoke-sized by FEDML_SSFL_SET
     r"^fedml federate build ": None,  # packs the workspace locally, offline
     r"^\. \.venv/bin/activate$": None,

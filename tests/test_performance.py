@@ -21,13 +21,15 @@ from fedml_ssfl.runtime.local import run_local
 
 
 # ---- the memory layout ------------------------------------------------------------------------------------
-def test_auto_layout_is_channels_last_on_cpu_for_max_pooling_without_groupnorm():
+def test_auto_layout_is_channels_last_on_cpu_without_groupnorm():
     bn = build_model("cnn28", num_classes=10, in_channels=1, image_size=28, norm="bn")
     gn = build_model("cnn28", num_classes=10, in_channels=1, image_size=28, norm="gn")
-    resnet = build_model("resnet18", num_classes=10, in_channels=3, image_size=16, norm="bn")
+    resnet = build_model("resnet18", num_classes=10, in_channels=3, image_size=32, norm="bn")
+    resnet_gn = build_model("resnet18", num_classes=10, in_channels=3, image_size=32, norm="gn")
     assert resolve_layout("auto", bn) == torch.channels_last
     assert resolve_layout("auto", gn) == torch.contiguous_format
-    assert resolve_layout("auto", resnet) == torch.contiguous_format  # no max-pooling: NCHW is faster
+    assert resolve_layout("auto", resnet) == torch.channels_last  # no max-pooling, but NHWC BatchNorm at 32x32
+    assert resolve_layout("auto", resnet_gn) == torch.contiguous_format
     assert resolve_layout("auto", bn, "cuda") == torch.contiguous_format
     assert resolve_layout("channels_last", gn) == torch.channels_last
     assert resolve_layout("unchanged", bn) is None

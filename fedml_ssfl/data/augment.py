@@ -239,27 +239,38 @@ def _contrast(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch
     return _blend(x, mean, _enhance_factor(level, sign))
 
 
+def _cdf_by_histogram(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows of grey levels ``q`` (floats 0..255): per pixel, how many of its row's pixels are at or
+    below its level, and per row the same count for the row's lowest level (int64). From a 256-bin
+    histogram per row: the CPU's way."""
+    levels = q.long()
+    rows = torch.arange(q.shape[0]).view(-1, 1) * 256
+    table = torch.bincount((levels + rows).view(-1), minlength=q.shape[0] * 256).view(q.shape[0], 256).cumsum_(dim=1)
+    return table.gather(1, levels), table.gather(1, levels.amin(dim=1, keepdim=True))
+
+
+def _cdf_by_sorting(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counts of :func:`_cdf_by_histogram` from the sorted rows with ``searchsorted``: the way on other
+    devices (deterministic on a GPU, unlike scatter-based histograms)."""
+    ordered, _ = torch.sort(q, dim=1)
+    return (
+        torch.searchsorted(ordered, q, right=True),
+        torch.searchsorted(ordered, ordered[:, :1].contiguous(), right=True),
+    )
+
+
 def _equalize(x: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
     """Histogram equalisation per sample and channel of the 8-bit quantised image.
 
     Approximation of PIL's ``ImageOps.equalize``: each grey level v maps to the normalised CDF
     ``(cdf(v) - cdf_min) / (total - cdf_min)`` rather than PIL's step-based table. The CDF counts
-    (integers, so both ways give the same numbers) come from a 256-bin histogram on the CPU and
-    from the sorted pixels with ``searchsorted`` elsewhere (deterministic on GPU, unlike
-    scatter-based histograms). A single-valued channel is left unchanged.
+    (integers, so both ways give the same numbers) come from :func:`_cdf_by_histogram` on the CPU
+    and :func:`_cdf_by_sorting` elsewhere. A single-valued channel is left unchanged.
     """
     m, c, h, w = x.shape
     q = (x * 255.0).round().clamp_(0.0, 255.0).reshape(m * c, h * w).contiguous()
-    if x.device.type == "cpu":
-        levels = q.long()
-        rows = torch.arange(m * c).view(-1, 1) * 256
-        table = torch.bincount((levels + rows).view(-1), minlength=m * c * 256).view(m * c, 256).cumsum_(dim=1)
-        cdf = table.gather(1, levels).to(x.dtype)
-        cdf_min = table.gather(1, levels.amin(dim=1, keepdim=True)).to(x.dtype)
-    else:
-        ordered, _ = torch.sort(q, dim=1)
-        cdf = torch.searchsorted(ordered, q, right=True).to(x.dtype)
-        cdf_min = torch.searchsorted(ordered, ordered[:, :1].contiguous(), right=True).to(x.dtype)
+    counts = _cdf_by_histogram if x.device.type == "cpu" else _cdf_by_sorting
+    cdf, cdf_min = (t.to(x.dtype) for t in counts(q))
     span = h * w - cdf_min
     out = ((cdf - cdf_min) / span.clamp_min(1.0)).view(m, c, h, w)
     return torch.where(span.view(m, c, 1, 1) > 0, out, x)

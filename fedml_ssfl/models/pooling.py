@@ -39,8 +39,8 @@ def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
 class MaxPool2x2(nn.MaxPool2d):
     """``nn.MaxPool2d(2)``, with :func:`max_pool_2x2` for CPU inputs that need no gradient.
 
-    Still an ``nn.MaxPool2d`` for whatever inspects a model (the layout choice of :mod:`.layout`,
-    printing, ONNX export), and without parameters: state dicts and checkpoints are unchanged.
+    Still an ``nn.MaxPool2d`` for whatever inspects a model (printing, ONNX export), and without
+    parameters: state dicts and checkpoints are unchanged.
     The fast path's conditions: :func:`_fast_path_applies`.
     """
 
