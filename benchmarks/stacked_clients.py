@@ -10,13 +10,15 @@ changes (the same kind of summation-order difference), and writes
 ``benchmarks/results/stacked_clients.json`` (machine, threads, load average, date).
 
 Rows: ``fedavg_sl`` (supervised, B = 10) and ``fedprox_fixmatch`` (labels-at-client, B^S = 10,
-B^U = 10 here) on MNIST-5k with cnn28 (GroupNorm), for each client count.
+B^U = 10 here) on MNIST-5k with cnn28 (GroupNorm), and ``semifl`` (B = 10, cnn28 with BatchNorm), for
+each client count.
 
 Usage::
 
     python benchmarks/stacked_clients.py                               # 10, 20, 50 clients, CPU
     python benchmarks/stacked_clients.py --clients 10 --rounds 1 --stack-sizes 0
     python benchmarks/stacked_clients.py --device cuda                 # where a GPU exists
+    python benchmarks/stacked_clients.py --algorithms semifl --set device_args.memory_format=contiguous
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ SETTINGS = {
         "data_args.label_scenario=client",
         "data_args.num_server_labels=0",
         "ssfl_args.unlabeled_batch_size=10",
+    ],
+    # SemiFL's clients (B = 10, its BatchNorm, T steps), pseudo-labelling from a model the server fine-tuned
+    # for 50 steps: the threshold is low so that every client trains from the first round
+    "semifl": [
+        "ssfl_args.algorithm=semifl",
+        "model_args.norm=bn",
+        "ssfl_args.local_epochs=null",
+        "ssfl_args.server_steps=50",
+        "ssfl_args.threshold=0.3",
     ],
 }
 
@@ -94,13 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the reference run one after another with threads + 1 (how far the plain path moves by itself)",
     )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a config override for every row"
+    )
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "stacked_clients.json"))
     args = parser.parse_args(argv)
     rows = []
     for algo in args.algorithms:
         for k in args.clients:
             overrides = [
-                *SETTINGS[algo],
                 "data_args.dataset=mnist5k",
                 "model_args.model=cnn28",
                 "model_args.norm=gn",
@@ -113,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 "common_args.compare_with=[]",
                 "tracking_args.progress_bar=false",
                 "tracking_args.enable_tensorboard=false",
+                *SETTINGS[algo],  # an algorithm's own settings win (SemiFL's BatchNorm)
+                *args.set,
             ]
             torch.set_num_threads(args.threads)
             runs = {"sequential": Run(overrides, False, args.device)}

@@ -16,6 +16,8 @@ same code:
   depend on a tensor's values, and no random draw may happen inside (dropout is refused).
 * ``weights``, ``momentum``: where the client starts (a state dict; its optimiser's momentum
   buffers, empty for a fresh optimiser).
+* ``lr``: the learning rate of every step (e.g. SemiFL's rate fixed for the round), or None for
+  Eq. 9's rate at each step.
 
 :func:`run_job` trains a model in place with :func:`~fedml_ssfl.training.run_steps` and
 ``torch.optim.SGD`` (:func:`~fedml_ssfl.training.make_optimizer`): the one-after-another path.
@@ -26,13 +28,14 @@ included), momentum buffers and batches are stacked along a new leading client d
 ``torch.func.functional_call``) over it, and the SGD step (momentum, Nesterov, weight decay,
 gradient clipping) is written out on the stacked tensors exactly as ``torch.optim.SGD`` and
 ``clip_grad_norm_`` compute it. The learning rate of step ``s`` is Eq. 9's, as in
-:func:`~fedml_ssfl.training.run_steps` (``lr="train"``). Results equal the one-after-another
-path's up to floating-point summation order (batched GroupNorm and linear layers add in another
-order): about 1e-7 a step, below 1e-6 after the tests' rounds (``tests/test_stacked.py``). Over
-long runs a value within rounding of a ReLU's or max-pool's decision now and then falls the
-other way, that step's gradient differs by up to ~1e-3 in a few weights, and the paths drift
-apart (1e-4 to 6e-4 after 60 steps; changing torch's thread count moves the one-after-another path
-by up to 5e-4 alike: ``benchmarks/stacked_clients.py``, docs/performance.md).
+:func:`~fedml_ssfl.training.run_steps` (``lr="train"``), unless the job fixes it (``lr``).
+Results equal the one-after-another path's up to floating-point summation order (batched
+GroupNorm and linear layers add in another order): about 1e-7 a step, below 1e-6 after the
+tests' rounds (``tests/test_stacked.py``). Over long runs a value within rounding of a ReLU's or
+max-pool's decision now and then falls the other way, that step's gradient differs by up to ~1e-3
+in a few weights, and the paths drift apart (1e-4 to 6e-4 after 60 steps; changing torch's thread
+count moves the one-after-another path by up to 5e-4 alike: ``benchmarks/stacked_clients.py``,
+docs/performance.md).
 
 Jobs that cannot share a stack (another batch shape, e.g. a client with fewer samples than the
 batch size; another step count, loss, or set of momentum buffers) are put in separate groups, each
@@ -105,6 +108,8 @@ class LocalJob:
         Constant tensors handed to ``loss`` (e.g. FedProx's anchor), per client.
     loss_name : str
         The name the loss is averaged under.
+    lr : float, optional
+        The learning rate of every step; None (default): Eq. 9's rate at each step.
     """
 
     party: str
@@ -117,6 +122,7 @@ class LocalJob:
     clip_norm: float = 0.0
     consts: dict[str, Tree] = field(default_factory=dict)
     loss_name: str = "loss"
+    lr: float | None = None
 
 
 @dataclass
@@ -163,7 +169,7 @@ def run_job(job: LocalJob, model: nn.Module, train: TrainSettings, round_idx: in
     """Train ``model`` (which must hold ``job.weights``) through ``job``, one step after another.
 
     SGD from :func:`~fedml_ssfl.training.make_optimizer` continuing ``job.momentum``, the steps by
-    :func:`~fedml_ssfl.training.run_steps` at Eq. 9's learning rate.
+    :func:`~fedml_ssfl.training.run_steps` at Eq. 9's learning rate (or the job's fixed ``lr``).
 
     Raises
     ------
@@ -175,7 +181,8 @@ def run_job(job: LocalJob, model: nn.Module, train: TrainSettings, round_idx: in
     if job.momentum:
         load_momentum_buffers(opt, model, job.momentum)
     phase = Phase(opt, job_step(job, model), loss_name=job.loss_name, clip_norm=job.clip_norm)
-    metrics = run_steps(phase, job.steps, train, round_idx, job.party)
+    rate: Callable[[int], float] | str = "train" if job.lr is None else (lambda s: job.lr)
+    metrics = run_steps(phase, job.steps, train, round_idx, job.party, lr=rate)
     return JobResult(weights=cpu_state(model), momentum=momentum_buffers(opt, model), metrics=metrics)
 
 
@@ -255,6 +262,7 @@ def _signature(job: LocalJob, first: Mapping[str, Tree]) -> tuple:
         job.clip_norm,
         job.loss_name,
         job.loss,
+        job.lr,
         tuple(sorted(job.momentum)),
         _shapes(dict(first)),
         _shapes(job.consts),
@@ -381,7 +389,7 @@ def _train_group(
         split = [_split_truth(b) for b in drawn]
         batch = _stack([b for b, _ in split], device)
         truth = _stack([t for _, t in split], device) if split[0][1] is not None else None
-        rate = cosine_lr(train, round_idx * train.local_steps + s)
+        rate = cosine_lr(train, round_idx * train.local_steps + s) if lead.lr is None else lead.lr
         grads, (loss, aux) = grad_fn(params, buffers, consts, batch)
         if not bool(torch.isfinite(loss).all()):
             for i, job in enumerate(jobs):

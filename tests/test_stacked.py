@@ -17,6 +17,7 @@ from torch import nn
 
 from fedml_ssfl import stacked
 from fedml_ssfl.algorithms import jobs as algorithm_jobs
+from fedml_ssfl.algorithms import semifl as semifl_module
 from fedml_ssfl.algorithms.base import NonFiniteLossError
 from fedml_ssfl.client_state import ClientStateStore
 from fedml_ssfl.config import ConfigError
@@ -51,6 +52,15 @@ CASES = {
     ],
     # Nesterov momentum kept by each client across rounds, the clients' own BatchNorm statistics
     "fedavg_ssl-bn": ["ssfl_args.algorithm=fedavg_ssl", "model_args.norm=bn", "ssfl_args.threshold=0.12"],
+    # SemiFL's fix + mix steps (the papers' batch-10 setting): BatchNorm, Nesterov, clipping, the round's fixed
+    # rate; an untrained model is never 0.95-sure, so a low threshold
+    "semifl-bn": [
+        "ssfl_args.algorithm=semifl",
+        "model_args.norm=bn",
+        "ssfl_args.threshold=0.1",
+        "ssfl_args.local_epochs=null",
+        "ssfl_args.server_steps=2",
+    ],
     "local_fixmatch-gn": [
         "ssfl_args.algorithm=local_fixmatch",
         "data_args.label_scenario=client",
@@ -134,10 +144,17 @@ def test_stacked_states_survive_a_spilling_store(small_config, tmp_path) -> None
     assert max_diff(rows_a, rows_b) == 0.0
 
 
-def test_stacking_is_not_bypassed(small_config, monkeypatch) -> None:
-    """With the option on, the round's clients go through run_stacked once, never through run_job."""
+@pytest.mark.parametrize(
+    ("case", "module", "plain_owner", "plain_name"),
+    [
+        ("fedavg_sl-gn", algorithm_jobs, algorithm_jobs, "run_job"),
+        ("semifl-bn", semifl_module, semifl_module.SemiFL, "_train"),  # SemiFL's own step loop
+    ],
+)
+def test_stacking_is_not_bypassed(small_config, monkeypatch, case, module, plain_owner, plain_name) -> None:
+    """With the option on, the round's clients go through run_stacked once, never one after another."""
     calls: list[int] = []
-    real = algorithm_jobs.run_stacked
+    real = module.run_stacked
 
     def counting(jobs, *args, **kwargs):
         calls.append(len(jobs))
@@ -146,13 +163,13 @@ def test_stacking_is_not_bypassed(small_config, monkeypatch) -> None:
     def refused(*args, **kwargs):
         raise AssertionError("a client trained one after another although train_args.stack_clients is true")
 
-    monkeypatch.setattr(algorithm_jobs, "run_stacked", counting)
-    monkeypatch.setattr(algorithm_jobs, "run_job", refused)
-    cfg = small_config(*SIZE, "ssfl_args.algorithm=fedavg_sl", "train_args.stack_clients=true")
+    monkeypatch.setattr(module, "run_stacked", counting)
+    monkeypatch.setattr(plain_owner, plain_name, refused)
+    cfg = small_config(*SIZE, *CASES[case], "train_args.stack_clients=true")
     exp = build_experiment(cfg)
     exp.algorithm.setup()
-    run_round(exp, 0, {k: {} for k in range(4)})
-    assert calls == [3]
+    row = run_round(exp, 0, {k: {} for k in range(4)})
+    assert calls == [3] and row["client_loss"] > 0  # the clients trained
 
 
 def test_stack_size_bounds_each_stack(small_config, monkeypatch) -> None:
@@ -281,8 +298,11 @@ def test_sgd_update_is_torch_sgd(momentum: float, nesterov: bool, wd: float) -> 
 
 
 def test_config_refuses_unsupported_algorithms_and_runtimes(small_config) -> None:
-    with pytest.raises(ConfigError, match=r"^train_args\.stack_clients: algorithm 'semifl'.*supported: .*fedavg_sl"):
-        small_config("ssfl_args.algorithm=semifl", "train_args.stack_clients=true")
+    with pytest.raises(ConfigError, match=r"^train_args\.stack_clients: algorithm 'fedmatch'.*supported: .*semifl"):
+        small_config("ssfl_args.algorithm=fedmatch", "train_args.stack_clients=true")
+    for semifl in (["ssfl_args.local_epochs=5"], ["ssfl_args.local_epochs=null", "ssfl_args.pseudo_labels=batch"]):
+        with pytest.raises(ConfigError, match=r"^train_args\.stack_clients: semifl trains clients stacked only with"):
+            small_config("ssfl_args.algorithm=semifl", *semifl, "train_args.stack_clients=true")
     with pytest.raises(ConfigError, match=r"^train_args\.stack_clients: only the local runtime"):
         small_config(
             "ssfl_args.algorithm=fedavg_sl",

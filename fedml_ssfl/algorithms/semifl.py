@@ -100,7 +100,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -112,6 +112,7 @@ from ..aggregation import Scratch, dense_layout, weighted_average
 from ..errors import ConfigError
 from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambdas
 from ..ssl.pseudo_label import PseudoLabels, kept_accuracy, pseudo_labels
+from ..stacked import LocalJob, run_stacked
 from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, run_steps
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
 from .fedseal import predict_probs
@@ -382,6 +383,25 @@ class SemiFLConfig(AlgorithmConfig):
             raise ConfigError("ssfl_args.nesterov: Nesterov SGD needs train_args.momentum > 0; set nesterov: false")
         if cfg.data_args.num_server_labels <= 0:
             raise ConfigError("data_args.num_server_labels: semifl fine-tunes on the server's labels; set it > 0")
+        if cfg.train_args.stack_clients and (self.pseudo_labels != "global" or self.local_epochs is not None):
+            raise ConfigError(
+                "train_args.stack_clients: semifl trains clients stacked only with ssfl_args.pseudo_labels: global "
+                "and ssfl_args.local_epochs: null (T steps of one batch shape); set train_args.stack_clients: false"
+            )
+
+
+@dataclass(frozen=True)
+class FixMixLoss:
+    """A client step's ``L_fix + lambda L_mix`` (Eq. 5/6) on its views, as a pure step loss
+    (:data:`~fedml_ssfl.stacked.StepLoss`): ``batch`` holds ``x_strong`` = A(x_fix), ``x_weak`` =
+    alpha(x_mix) of the mixed inputs, ``y_fix``, ``y_mix`` and the step's ``lam``."""
+
+    loss_lambda: float
+
+    def __call__(self, forward: Callable, params: Any, consts: Any, batch: Any, s: int) -> tuple:
+        loss_fix = F.cross_entropy(forward(batch["x_strong"]), batch["y_fix"])
+        loss_mix = mixup_loss(forward(batch["x_weak"]), batch["y_fix"], batch["y_mix"], batch["lam"])
+        return loss_fix + self.loss_lambda * loss_mix, {"metrics": {"mix_lambda": batch["lam"]}}
 
 
 @register_algorithm
@@ -390,6 +410,7 @@ class SemiFL(GlobalModelAlgorithm):
 
     name = "semifl"
     config_class = SemiFLConfig
+    stackable: ClassVar[bool] = True  # pseudo_labels: global, local_epochs: null (SemiFLConfig.check)
 
     # ---- helpers ---------------------------------------------------------------------------
     @property
@@ -535,11 +556,7 @@ class SemiFL(GlobalModelAlgorithm):
         model = self.scratch_model(msg.weights, ctx.device)
         pipeline = InputPipeline(self.data_info, ctx.device)
         gen = ctx.generator(data.client_id)
-        extras: dict[str, Any] = {}
-        if self.config.sbn == "federated":
-            sums = bn_sums(model, pipeline, data.images, data.unlabeled_idx, self.train.batch_size)
-            if sums:
-                extras["bn_sums"] = sums
+        extras = self._sbn_extras(model, pipeline, data)
         if self.config.pseudo_labels == "global":
             metrics, trained = self._train_global_labels(model, pipeline, data, gen, ctx)
         else:
@@ -548,6 +565,84 @@ class SemiFL(GlobalModelAlgorithm):
             return Message(extras={"metrics": metrics})
         extras["metrics"] = metrics
         return Message(weights=cpu_state(model), num_samples=n, extras=extras)
+
+    def _sbn_extras(self, model: nn.Module, pipeline: InputPipeline, data: ClientData) -> dict[str, Any]:
+        """The reply's ``bn_sums`` under ``sbn: federated`` (the received model's statistics of the data)."""
+        if self.config.sbn != "federated":
+            return {}
+        sums = bn_sums(model, pipeline, data.images, data.unlabeled_idx, self.train.batch_size)
+        return {"bn_sums": sums} if sums else {}
+
+    def client_updates_stacked(
+        self, work: dict[int, tuple[Message, ClientData, dict]], ctx: ClientContext, max_stack: int = 0
+    ) -> dict[int, Message]:
+        """The round's clients' :meth:`client_update`, their fix + mix steps trained together.
+
+        Each client pseudo-labels and makes its views as alone (the same draws from its own stream);
+        its T steps become a :class:`~fedml_ssfl.stacked.LocalJob` with :class:`FixMixLoss` at the
+        round's fixed rate (Nesterov SGD, clipped), and :func:`~fedml_ssfl.stacked.run_stacked`
+        trains the jobs. Needs ``pseudo_labels: global`` and ``local_epochs: null`` (the config check).
+        """
+        replies = {k: Message() for k in work}
+        jobs: list[LocalJob] = []
+        pending: list[tuple[int, int, dict[str, Any], dict[str, Any]]] = []
+        model = None
+        for k, (msg, data, _) in work.items():
+            if data.num_unlabeled == 0:
+                continue
+            model = self.scratch_model(msg.weights, ctx.device)
+            pipeline = InputPipeline(self.data_info, ctx.device)
+            gen = ctx.generator(data.client_id)
+            extras = self._sbn_extras(model, pipeline, data)
+            metrics, sets = self._global_labels(model, pipeline, data, gen)
+            if sets is None:
+                replies[k] = Message(extras={"metrics": metrics})
+                continue
+            jobs.append(self._fix_mix_job(msg, data, sets, pipeline, gen, ctx))
+            pending.append((k, data.num_unlabeled, metrics, extras))
+        if jobs:
+            for (k, n, metrics, extras), res in zip(
+                pending, run_stacked(jobs, model, self.train, ctx.round_idx, max_stack)
+            ):
+                metrics.update(res.metrics)
+                metrics["local_steps"] = float(self.train.local_steps)
+                replies[k] = Message(weights=res.weights, num_samples=n, extras={**extras, "metrics": metrics})
+        return replies
+
+    def _fix_mix_job(
+        self,
+        msg: Message,
+        data: ClientData,
+        sets: FixMixSets,
+        pipeline: InputPipeline,
+        gen: torch.Generator,
+        ctx: ClientContext,
+    ) -> LocalJob:
+        """A client's T fix + mix steps (:meth:`_global_label_steps`) as a job for the stacked path."""
+        steps = self._global_label_steps(pipeline, data, sets, gen)
+
+        def draw(s: int) -> dict[str, torch.Tensor]:
+            y_fix, y_mix, (lam, x_strong, x_weak) = next(steps)
+            device = x_strong.device
+            lam_t = torch.tensor(lam, dtype=x_strong.dtype, device=device)
+            return {
+                "x_strong": x_strong,
+                "x_weak": x_weak,
+                "y_fix": y_fix.to(device),
+                "y_mix": y_mix.to(device),
+                "lam": lam_t,
+            }
+
+        return LocalJob(
+            party=client_party(data.client_id),
+            weights=msg.weights,
+            draw=draw,
+            loss=FixMixLoss(self.config.loss_lambda),
+            steps=self.train.local_steps,
+            nesterov=self.config.nesterov and self.train.momentum > 0,
+            clip_norm=self.config.clip_norm,
+            lr=self.round_lr(ctx.round_idx),
+        )
 
     def _step(
         self,
@@ -598,12 +693,11 @@ class SemiFL(GlobalModelAlgorithm):
         y_mix: torch.Tensor,
         lam: float,
     ) -> Step:
-        """``L_fix + lambda L_mix`` (Eq. 5/6) on a step's views (:meth:`_views`)."""
-        y_fix, y_mix = y_fix.to(x_strong.device), y_mix.to(x_weak.device)
-        loss_fix = F.cross_entropy(model(x_strong), y_fix)
-        loss_mix = mixup_loss(model(x_weak), y_fix, y_mix, lam)
-        loss = loss_fix + self.config.loss_lambda * loss_mix
-        return Step(loss, {"mix_lambda": lam})
+        """``L_fix + lambda L_mix`` (Eq. 5/6) on a step's views (:meth:`_views`): :class:`FixMixLoss`."""
+        batch = {"x_strong": x_strong, "x_weak": x_weak, "lam": lam}
+        batch |= {"y_fix": y_fix.to(x_strong.device), "y_mix": y_mix.to(x_weak.device)}
+        loss, aux = FixMixLoss(self.config.loss_lambda)(model, {}, {}, batch, 0)
+        return Step(loss, aux["metrics"])
 
     def _train(
         self,
@@ -627,6 +721,23 @@ class SemiFL(GlobalModelAlgorithm):
         ctx: ClientContext,
     ) -> tuple[dict[str, float], bool]:
         """Pseudo-label once with the received model (Eq. 2-4), then train on fix + mix."""
+        metrics, sets = self._global_labels(model, pipeline, data, gen)
+        if sets is None:
+            return metrics, False
+
+        def step(item: tuple[torch.Tensor, torch.Tensor, tuple[float, torch.Tensor, torch.Tensor]]) -> Step:
+            y_fix, y_mix, (lam, x_strong, x_weak) = item
+            return self._loss(model, x_strong, x_weak, y_fix, y_mix, lam)
+
+        steps = self._global_label_steps(pipeline, data, sets, gen)
+        metrics.update(self._train(model, step, steps, ctx, client_party(data.client_id)))
+        return metrics, True
+
+    def _global_labels(
+        self, model: nn.Module, pipeline: InputPipeline, data: ClientData, gen: torch.Generator
+    ) -> tuple[dict[str, float], FixMixSets | None]:
+        """Pseudo-label the client's data once with the received model (Eq. 2-4): the fix and mix sets
+        (None when nothing is confident) and the metrics (mask rate, pseudo-label accuracies)."""
         n = data.num_unlabeled
         probs = predict_probs(model, pipeline, data.images, data.unlabeled_idx, gen, augment="weak")
         sets = fix_mix_sets(probs, self.config.threshold, gen)
@@ -636,18 +747,11 @@ class SemiFL(GlobalModelAlgorithm):
         if acc_all is not None:
             metrics["pseudo_acc_all"] = acc_all
         if sets.fix.numel() == 0:
-            return metrics, False
+            return metrics, None
         acc = kept_accuracy(sets.pseudo.labels, truth, sets.pseudo.mask)
         if acc is not None:
             metrics["pseudo_acc"] = acc
-
-        def step(item: tuple[torch.Tensor, torch.Tensor, tuple[float, torch.Tensor, torch.Tensor]]) -> Step:
-            y_fix, y_mix, (lam, x_strong, x_weak) = item
-            return self._loss(model, x_strong, x_weak, y_fix, y_mix, lam)
-
-        steps = self._global_label_steps(pipeline, data, sets, gen)
-        metrics.update(self._train(model, step, steps, ctx, client_party(data.client_id)))
-        return metrics, True
+        return metrics, sets
 
     def _global_label_steps(
         self, pipeline: InputPipeline, data: ClientData, sets: FixMixSets, gen: torch.Generator
