@@ -10,8 +10,10 @@ changes (the same kind of summation-order difference), and writes
 ``benchmarks/results/stacked_clients.json`` (machine, threads, load average, date).
 
 Rows: ``fedavg_sl`` (supervised, B = 10) and ``fedprox_fixmatch`` (labels-at-client, B^S = 10,
-B^U = 10 here) on MNIST-5k with cnn28 (GroupNorm), and ``semifl`` (B = 10, cnn28 with BatchNorm), for
-each client count.
+B^U = 10 here) on MNIST-5k with cnn28 (GroupNorm), ``semifl`` (B = 10, cnn28 with BatchNorm) and
+``fedsiam`` (FedSiam-MT in its MNIST setting: its CNN, B = 10, an EMA target per client) and
+``fedseal`` (positive and negative batches of 10 from each client's filtered samples), for each
+client count.
 
 Usage::
 
@@ -58,6 +60,25 @@ SETTINGS = {
         "ssfl_args.server_steps=50",
         "ssfl_args.threshold=0.3",
     ],
+    # FedSiam's MNIST setting (Table 1's CNN, no normalisation; gamma = 0.1 labels a client, B = 10, SGD 0.01,
+    # momentum 0.9, wd 1e-4, constant rate), FedSiam-MT so that every step updates each client's EMA target
+    "fedsiam": [
+        "ssfl_args.algorithm=fedsiam",
+        "model_args.model=fedsiam_mnist_cnn",
+        "model_args.norm=none",
+        "data_args.label_scenario=client",
+        "data_args.num_server_labels=0",
+        "data_args.client_label_ratio=0.1",
+        "ssfl_args.variant=mt",
+        "train_args.learning_rate=0.01",
+        "train_args.momentum=0.9",
+        "train_args.weight_decay=0.0001",
+        "train_args.lr_schedule=constant",
+    ],
+    # FedSEAL's clients (labels-at-server): each filters its samples by the self-ensemble and the server's
+    # class-wise thresholds (200 validation samples, the paper's), then trains on its positive (strong view)
+    # and negative (complementary label) batches of B = 10
+    "fedseal": ["ssfl_args.algorithm=fedseal", "data_args.num_server_val=200"],
 }
 
 

@@ -12,12 +12,16 @@ same code:
   dict (``aux["metrics"]``: scalar tensors to average over the steps; ``pseudo_labels``,
   ``pseudo_confidence`` and ``pseudo_mask`` for the pseudo-label accuracy). ``forward(x)`` is the
   model's output on ``x``, ``params`` the trainable parameters by name (e.g. for FedProx's term),
-  ``consts`` the job's constant tensors (e.g. the round's global weights). No Python decision may
-  depend on a tensor's values, and no random draw may happen inside (dropout is refused).
+  ``consts`` the job's constant tensors (e.g. the round's global weights, a per-step weight read as
+  ``consts["beta"][s]``). No Python decision may depend on a tensor's values, and no random draw
+  may happen inside (dropout is refused).
 * ``weights``, ``momentum``: where the client starts (a state dict; its optimiser's momentum
   buffers, empty for a fresh optimiser).
-* ``lr``: the learning rate of every step (e.g. SemiFL's rate fixed for the round), or None for
-  Eq. 9's rate at each step.
+* ``lr``: the learning rate of every step (e.g. SemiFL's rate fixed for the round), one rate per
+  step (a tuple), or None for Eq. 9's rate at each step.
+* ``follower``: optionally a second net that follows the trained one by an EMA after every step
+  (FedSiam's target net, Eq. 9): the loss reads its output through ``forward.follower(x)``
+  (:class:`Follower`, :class:`StepNets`).
 
 :func:`run_job` trains a model in place with :func:`~fedml_ssfl.training.run_steps` and
 ``torch.optim.SGD`` (:func:`~fedml_ssfl.training.make_optimizer`): the one-after-another path.
@@ -56,6 +60,7 @@ from torch.nn import functional as F
 from .contract import TrainSettings, check_finite
 from .errors import ConfigError
 from .models.layout import inputs_keep_strides
+from .ssl.ema import ema_pairs, ema_update, ema_update_stacked
 from .ssl.pseudo_label import PseudoLabels
 from .training import (
     BatchStream,
@@ -79,6 +84,45 @@ Tree = Any
 
 StepLoss = Callable[[Callable[[torch.Tensor], torch.Tensor], Mapping[str, torch.Tensor], Tree, Tree, int], tuple]
 """``loss(forward, params, consts, batch, s) -> (loss, aux)``, see the module docstring."""
+
+
+@dataclass
+class Follower:
+    """A net that follows the trained one by an exponential moving average (FedSiam's target, Eq. 9).
+
+    It starts from ``weights`` and runs in train mode without gradient (its BatchNorm statistics
+    move with the batches it sees); the step loss reads its output through
+    ``forward.follower(x)`` (:class:`StepNets`). After step ``s`` each floating state tensor
+    becomes ``alphas[s] f + (1 - alphas[s]) theta`` of the trained net's, integer buffers are
+    copied (:func:`~fedml_ssfl.ssl.ema.ema_update`; ``alphas[s] = 0`` copies).
+
+    Attributes
+    ----------
+    weights : dict[str, torch.Tensor]
+        The state dict the follower starts from.
+    alphas : torch.Tensor
+        float64, shape (steps,): the EMA decay after each step (per client, so not shared by a stack).
+    """
+
+    weights: dict[str, torch.Tensor]
+    alphas: torch.Tensor
+
+
+class StepNets:
+    """What a step loss calls as ``forward``: ``forward(x)`` is the trained net's output on ``x``,
+    ``forward.follower(x)`` the job's :class:`Follower`'s (without gradient)."""
+
+    def __init__(self, net: Callable[[torch.Tensor], torch.Tensor], follower: Callable | None = None) -> None:
+        self._net, self._follower = net, follower
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._net(x)
+
+    def follower(self, x: torch.Tensor) -> torch.Tensor:
+        if self._follower is None:
+            raise ValueError("forward.follower: this job has no Follower (LocalJob.follower is None)")
+        with torch.no_grad():
+            return self._follower(x)
 
 
 @dataclass
@@ -108,8 +152,14 @@ class LocalJob:
         Constant tensors handed to ``loss`` (e.g. FedProx's anchor), per client.
     loss_name : str
         The name the loss is averaged under.
-    lr : float, optional
-        The learning rate of every step; None (default): Eq. 9's rate at each step.
+    lr : float or tuple of float, optional
+        The learning rate of every step, or of each step (a tuple of ``steps`` rates); None
+        (default): Eq. 9's rate at each step.
+    follower : Follower, optional
+        A net that follows the trained one by an EMA after each step (FedSiam's target).
+    notes : dict
+        What the algorithm keeps from building the job for its reply (e.g. FedSiam's ramp values
+        of the last step); the trainers ignore it.
     """
 
     party: str
@@ -122,16 +172,26 @@ class LocalJob:
     clip_norm: float = 0.0
     consts: dict[str, Tree] = field(default_factory=dict)
     loss_name: str = "loss"
-    lr: float | None = None
+    lr: float | tuple[float, ...] | None = None
+    follower: Follower | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def rate(self, train: TrainSettings, round_idx: int, s: int) -> float:
+        """Step ``s``'s learning rate: the job's own, or Eq. 9's at the global local step."""
+        if self.lr is None:
+            return cosine_lr(train, round_idx * train.local_steps + s)
+        return self.lr[s] if isinstance(self.lr, tuple) else self.lr
 
 
 @dataclass
 class JobResult:
-    """What a job ends with: CPU copies of the weights and momentum buffers, and the step means."""
+    """What a job ends with: CPU copies of the weights and momentum buffers, the step means, and the
+    follower's weights (None without a follower)."""
 
     weights: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     metrics: dict[str, float]
+    follower: dict[str, torch.Tensor] | None = None
 
 
 # ---- one job alone -----------------------------------------------------------------------------
@@ -148,15 +208,19 @@ def _split_truth(batch: Mapping[str, Tree]) -> tuple[dict[str, Tree], torch.Tens
     return batch, batch.pop(TRUTH, None)
 
 
-def job_step(job: LocalJob, model: nn.Module) -> Callable[[int], Step]:
-    """The step function of ``job`` on ``model`` (for :class:`~fedml_ssfl.training.Phase`)."""
+def job_step(job: LocalJob, model: nn.Module, follower: nn.Module | None = None) -> Callable[[int], Step]:
+    """The step function of ``job`` on ``model`` (for :class:`~fedml_ssfl.training.Phase`).
+
+    ``follower``: the model holding the job's :class:`Follower` (when it has one).
+    """
     device = next(model.parameters()).device
     consts = _tree_map(lambda t: t.to(device), job.consts)
     params = dict(model.named_parameters())  # the optimiser updates them in place
+    nets = StepNets(model, follower)
 
     def step(s: int) -> Step:
         batch, truth = _split_truth(job.draw(s))
-        loss, aux = job.loss(model, params, consts, batch, s)
+        loss, aux = job.loss(nets, params, consts, batch, s)
         pseudo = None
         if "pseudo_mask" in aux:
             pseudo = PseudoLabels(aux["pseudo_labels"], aux["pseudo_confidence"], aux["pseudo_mask"])
@@ -165,25 +229,45 @@ def job_step(job: LocalJob, model: nn.Module) -> Callable[[int], Step]:
     return step
 
 
-def run_job(job: LocalJob, model: nn.Module, train: TrainSettings, round_idx: int) -> JobResult:
+def run_job(
+    job: LocalJob, model: nn.Module, train: TrainSettings, round_idx: int, follower: nn.Module | None = None
+) -> JobResult:
     """Train ``model`` (which must hold ``job.weights``) through ``job``, one step after another.
 
     SGD from :func:`~fedml_ssfl.training.make_optimizer` continuing ``job.momentum``, the steps by
-    :func:`~fedml_ssfl.training.run_steps` at Eq. 9's learning rate (or the job's fixed ``lr``).
+    :func:`~fedml_ssfl.training.run_steps` at Eq. 9's learning rate (or the job's ``lr``). A job
+    with a :class:`Follower` needs ``follower``, a model holding ``job.follower.weights``; after
+    each step it follows ``model`` by :func:`~fedml_ssfl.ssl.ema.ema_update`.
 
     Raises
     ------
     NonFiniteLossError
         When a loss is NaN or infinite.
     """
+    if (job.follower is None) != (follower is None):
+        has = "has a" if job.follower else "has no"
+        raise ValueError(f"run_job: {job.party}'s job {has} follower; pass a follower model exactly when it has one")
     model.train()
     opt = make_optimizer(model, train, nesterov=job.nesterov)
     if job.momentum:
         load_momentum_buffers(opt, model, job.momentum)
-    phase = Phase(opt, job_step(job, model), loss_name=job.loss_name, clip_norm=job.clip_norm)
-    rate: Callable[[int], float] | str = "train" if job.lr is None else (lambda s: job.lr)
-    metrics = run_steps(phase, job.steps, train, round_idx, job.party, lr=rate)
-    return JobResult(weights=cpu_state(model), momentum=momentum_buffers(opt, model), metrics=metrics)
+    phase = Phase(opt, job_step(job, model, follower), loss_name=job.loss_name, clip_norm=job.clip_norm)
+    after_step = None
+    if follower is not None:
+        follower.train()
+        pairs, alphas = ema_pairs(follower, model), job.follower.alphas.tolist()
+
+        def after_step(s: int) -> None:
+            ema_update(pairs, alphas[s])  # FedSiam Eq. 9
+
+    rate = lambda s: job.rate(train, round_idx, s)  # noqa: E731
+    metrics = run_steps(phase, job.steps, train, round_idx, job.party, lr=rate, after_step=after_step)
+    return JobResult(
+        weights=cpu_state(model),
+        momentum=momentum_buffers(opt, model),
+        metrics=metrics,
+        follower=cpu_state(follower) if follower is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -264,6 +348,7 @@ def _signature(job: LocalJob, first: Mapping[str, Tree]) -> tuple:
         job.loss,
         job.lr,
         tuple(sorted(job.momentum)),
+        job.follower is None,
         _shapes(dict(first)),
         _shapes(job.consts),
     )
@@ -373,14 +458,27 @@ def _train_group(
     buffers = {n: _stack([j.weights[n] for j in jobs], device) for n in buffer_names}
     moms = {n: _stack([j.momentum[n] for j in jobs], device) for n in param_names if n in lead.momentum}
     consts = _stack([j.consts for j in jobs], device) if lead.consts else {}
+    # the followers' params and buffers, and their decays (C, steps); empty without followers
+    f_params: dict[str, torch.Tensor] = {}
+    f_buffers: dict[str, torch.Tensor] = {}
+    alphas, pairs = None, []
+    if lead.follower is not None:
+        f_params = {n: _stack([j.follower.weights[n] for j in jobs], device) for n in param_names}
+        f_buffers = {n: _stack([j.follower.weights[n] for j in jobs], device) for n in buffer_names}
+        alphas = torch.stack([j.follower.alphas for j in jobs]).to(device)
+        pairs = [((f_params | f_buffers)[k], (params | buffers)[k]) for k in state_keys]
     means = _StackedMeans(len(jobs), device)
     step_now = 0
 
-    def objective(p: dict, b: dict, c: dict, batch: dict) -> tuple:
+    def objective(p: dict, b: dict, c: dict, batch: dict, fp: dict, fb: dict) -> tuple:
         def forward(x: torch.Tensor) -> torch.Tensor:
             return functional_call(model, (p, b), (x,))
 
-        return lead.loss(forward, p, c, batch, step_now)
+        def follower(x: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, (fp, fb), (x,))
+
+        nets = StepNets(forward, follower if lead.follower else None)
+        return lead.loss(nets, p, c, batch, step_now)
 
     grad_fn = vmap(grad_and_value(objective, has_aux=True), randomness="error")
     for s in range(lead.steps):
@@ -389,14 +487,16 @@ def _train_group(
         split = [_split_truth(b) for b in drawn]
         batch = _stack([b for b, _ in split], device)
         truth = _stack([t for _, t in split], device) if split[0][1] is not None else None
-        rate = cosine_lr(train, round_idx * train.local_steps + s) if lead.lr is None else lead.lr
-        grads, (loss, aux) = grad_fn(params, buffers, consts, batch)
+        rate = lead.rate(train, round_idx, s)
+        grads, (loss, aux) = grad_fn(params, buffers, consts, batch, f_params, f_buffers)
         if not bool(torch.isfinite(loss).all()):
             for i, job in enumerate(jobs):
                 check_finite(loss[i], round_idx, job.party)
         if lead.clip_norm > 0:
             grads = _clip(grads, lead.clip_norm)
         sgd_update(params, grads, moms, rate, train, lead.nesterov)
+        if alphas is not None:
+            ema_update_stacked(pairs, alphas[:, s])  # each client's follower, its own decay (FedSiam Eq. 9)
         means.add(lead.loss_name, loss)
         for name, value in aux.get("metrics", {}).items():
             means.add(name, value)
@@ -407,7 +507,8 @@ def _train_group(
     for i in range(len(jobs)):
         weights = {k: (params[k] if k in params else buffers[k])[i].detach().to("cpu").clone() for k in state_keys}
         momentum = {n: moms[n][i].to("cpu").clone() for n in param_names if n in moms}
-        out.append(JobResult(weights=weights, momentum=momentum, metrics=metrics[i]))
+        follower = {k: t[i].detach().to("cpu").clone() for k, (t, _) in zip(state_keys, pairs)} if pairs else None
+        out.append(JobResult(weights=weights, momentum=momentum, metrics=metrics[i], follower=follower))
     return out
 
 
@@ -443,6 +544,8 @@ def run_stacked(
 __all__ = [
     "TRUTH",
     "CrossEntropyLoss",
+    "Follower",
+    "StepNets",
     "JobResult",
     "LocalJob",
     "StepLoss",

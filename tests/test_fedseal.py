@@ -14,6 +14,7 @@ from fedml_ssfl.algorithms.base import ClientContext, ClientData, DataInfo, Serv
 from fedml_ssfl.algorithms.fedseal import (
     FedSEAL,
     FedSEALConfig,
+    PositiveNegativeLoss,
     classwise_thresholds,
     filter_sets,
     predict_probs,
@@ -462,6 +463,23 @@ def test_negative_learning_lowers_the_complementary_probability(monkeypatch) -> 
     )
 
 
+def test_step_loss_is_lambda_ce_on_positives_plus_the_complementary_loss_on_negatives() -> None:
+    """Eq. 13-15 as the step loss both training paths call: lambda CE(y+, f(A(x))) + l(y-, 1 - f(x)),
+    each term only where its batch exists."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    batch = {"x_pos": torch.randn(5, 4), "y_pos": torch.tensor([0, 1, 2, 0, 1])}
+    batch |= {"x_neg": torch.randn(6, 4), "y_neg": torch.tensor([2, 2, 1, 0, 0, 1])}
+    pos = 0.3 * F.cross_entropy(net(batch["x_pos"]), batch["y_pos"])
+    neg = complementary_loss(net(batch["x_neg"]), batch["y_neg"])
+    loss = PositiveNegativeLoss(0.3)
+    assert float(loss(net, {}, {}, batch, 0)[0]) == pytest.approx(float(pos + neg), rel=1e-6)
+    only_neg = {k: v for k, v in batch.items() if k.endswith("neg")}
+    only_pos = {k: v for k, v in batch.items() if k.endswith("pos")}
+    assert float(loss(net, {}, {}, only_neg, 0)[0]) == pytest.approx(float(neg), rel=1e-6)
+    assert float(loss(net, {}, {}, only_pos, 0)[0]) == pytest.approx(float(pos), rel=1e-6)
+
+
 def test_positive_loss_is_weighted_by_the_rounds_lambda() -> None:
     # Eq. 13: lambda L+ with lambda ramping up over the rounds; with plain SGD and no negatives,
     # one step in round 5 of a 0.1 -> 1 ramp over 10 rounds moves the weights 0.55 times as far
@@ -481,7 +499,6 @@ def test_positive_loss_is_weighted_by_the_rounds_lambda() -> None:
 def test_round_lr_is_the_papers_per_round_decay(monkeypatch) -> None:
     # Sec. 5.2.1: lr x 0.995 per round for server and clients, constant within a round; the
     # cosine of train_args.lr_schedule applies only with lr_times_train_schedule
-    import fedml_ssfl.algorithms.fedseal as fedseal_module
     from fedml_ssfl import training
 
     train = {"learning_rate": 0.03, "lr_schedule": "cosine", "comm_round": 20, "local_steps": 2}
@@ -492,14 +509,14 @@ def test_round_lr_is_the_papers_per_round_decay(monkeypatch) -> None:
     both, _ = _setup(lr_times_train_schedule=True, train=train)
     assert both.round_lr(19) == pytest.approx(cosine_lr(both.train, 19 * 2) * 0.995**19)
     assert both.round_lr(19) < 0.5 * algo.round_lr(19)
-    # the rates the server's and the client's optimisers are set to in round 7
+    # the rates the server's and the client's optimisers are set to in round 7 (the client's job trains
+    # through training.run_steps, which sets its rate every step)
     rates: list[tuple[str, float]] = []
-    for module, who in ((training, "server"), (fedseal_module, "client")):
-        original = module.set_lr
-        monkeypatch.setattr(
-            module, "set_lr", lambda opt, lr, who=who, original=original: (rates.append((who, lr)), original(opt, lr))
-        )
+    who = ["server"]
+    original = training.set_lr
+    monkeypatch.setattr(training, "set_lr", lambda opt, lr: (rates.append((who[0], lr)), original(opt, lr)))
     algo.server_step(7)
+    who[0] = "client"
     algo.client_update(_message(_model(1, scale=2.0), torch.full((3,), 0.5)), data, {}, ClientContext(7, CPU, 0))
     assert {who for who, _ in rates} == {"server", "client"}
     assert all(lr == pytest.approx(0.03 * 0.995**7) for _, lr in rates), rates

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedml_ssfl import stacked as stacked_module
 from fedml_ssfl.algorithms import fedsiam as fedsiam_module
 from fedml_ssfl.algorithms.base import (
     ClientContext,
@@ -254,7 +255,8 @@ def _spy_ema(monkeypatch, algo: FedSiam, slot: str) -> list[tuple[float, dict[st
     """Record, at every Eq. 9 update, its alpha and the state of the online net in scratch ``slot``.
 
     The online net is read from the model itself, not from the pairs handed to ``ema_update``,
-    so that pairs built the wrong way round show up.
+    so that pairs built the wrong way round show up. The server's update is FedSiam's own, a
+    client's the job trainer's (its target is the job's Follower, fedml_ssfl/stacked.py).
     """
     calls: list[tuple[float, dict[str, torch.Tensor]]] = []
     real = fedsiam_module.ema_update
@@ -263,7 +265,7 @@ def _spy_ema(monkeypatch, algo: FedSiam, slot: str) -> list[tuple[float, dict[st
         calls.append((alpha, {k: v.detach().clone() for k, v in algo._scratch[slot].state_dict().items()}))
         real(pairs, alpha)
 
-    monkeypatch.setattr(fedsiam_module, "ema_update", spy)
+    monkeypatch.setattr(fedsiam_module if slot == "server" else stacked_module, "ema_update", spy)
     return calls
 
 
@@ -350,6 +352,18 @@ def test_ramp_unit_epoch_counts_a_round_as_one_epoch_and_step_counts_steps(monke
 
 
 # ---- beta^k: the sigmoid ramp over the epoch counter, and J's weight in the update ---------------------
+def test_j_compares_the_online_view_with_an_independent_target_view() -> None:
+    """Eq. 4: J is between f(x + eta; theta_s) and f(x + eta'; theta_t), two draws of the weak view.
+
+    FedSiam-Pi on a GroupNorm net: the target is the online net at every step (alpha 0), so J is
+    above zero only because eta and eta' differ; with one view for both it would be exactly 0.
+    """
+    algo, data = _tiny(variant="pi")
+    algo.server_step(0)
+    reply = algo.client_update(algo.message_for(0, 0), data, {}, ClientContext(0, CPU, 0))
+    assert reply.extras["metrics"]["consistency"] > 1e-6
+
+
 @pytest.mark.parametrize(
     ("cfg", "name", "beta_max"),
     [

@@ -61,6 +61,37 @@ CASES = {
         "ssfl_args.local_epochs=null",
         "ssfl_args.server_steps=2",
     ],
+    # FedSiam's online net with its EMA target (a Follower, Eq. 9): BatchNorm (the target's own statistics), the
+    # step-counted alpha (each client its own within a stack in round 2), per-step beta and the constant rate
+    "fedsiam-mt-bn": [
+        "ssfl_args.algorithm=fedsiam",
+        "data_args.label_scenario=client",
+        "data_args.num_server_labels=0",
+        "data_args.labels_per_class_client=2",
+        "ssfl_args.variant=mt",
+        "ssfl_args.ramp_unit=step",
+        "model_args.norm=bn",
+        "train_args.lr_schedule=constant",
+    ],
+    # labels-at-server FedSiam-Pi (alpha 0: the target copies), KL consistency, GroupNorm
+    "fedsiam-pi-gn": ["ssfl_args.algorithm=fedsiam", "ssfl_args.variant=pi", "ssfl_args.consistency=kl"],
+    # FedSEAL's positive (strong view, lambda CE) and negative (complementary) batches from its self-ensemble:
+    # class-wise thresholds (GroupNorm), and a fixed low one (BatchNorm); clients whose sets differ in size
+    # train in separate stacks
+    "fedseal-gn": [
+        "ssfl_args.algorithm=fedseal",
+        "data_args.num_server_val=40",
+        "ssfl_args.bootstrap_steps=20",
+        "ssfl_args.theta=0.2",
+    ],
+    "fedseal-bn": [
+        "ssfl_args.algorithm=fedseal",
+        "model_args.norm=bn",
+        "data_args.num_server_val=40",
+        "ssfl_args.bootstrap_steps=20",
+        "ssfl_args.theta=0.2",
+        "ssfl_args.fixed_threshold=0.3",
+    ],
     "local_fixmatch-gn": [
         "ssfl_args.algorithm=local_fixmatch",
         "data_args.label_scenario=client",
@@ -149,6 +180,8 @@ def test_stacked_states_survive_a_spilling_store(small_config, tmp_path) -> None
     [
         ("fedavg_sl-gn", algorithm_jobs, algorithm_jobs, "run_job"),
         ("semifl-bn", semifl_module, semifl_module.SemiFL, "_train"),  # SemiFL's own step loop
+        ("fedsiam-mt-bn", algorithm_jobs, algorithm_jobs, "run_job"),
+        ("fedseal-bn", algorithm_jobs, algorithm_jobs, "run_job"),
     ],
 )
 def test_stacking_is_not_bypassed(small_config, monkeypatch, case, module, plain_owner, plain_name) -> None:
@@ -170,6 +203,16 @@ def test_stacking_is_not_bypassed(small_config, monkeypatch, case, module, plain
     exp.algorithm.setup()
     row = run_round(exp, 0, {k: {} for k in range(4)})
     assert calls == [3] and row["client_loss"] > 0  # the clients trained
+
+
+def test_clients_that_do_not_train_reply_their_metrics_stacked_too(small_config) -> None:
+    """A FedSEAL client whose filter keeps no sample (threshold 1, theta 0) replies its filter metrics
+    without training, stacked as alone."""
+    case = [*CASES["fedseal-gn"], "ssfl_args.fixed_threshold=1.0", "ssfl_args.theta=0.0"]
+    _, _, rows_a, _ = two_rounds(small_config, case, stack=False)
+    _, _, rows_b, _ = two_rounds(small_config, case, stack=True)
+    assert rows_a == rows_b
+    assert rows_b[0]["client_mask_rate"] == rows_b[0]["client_neg_rate"] == 0.0 and rows_b[0]["clients_sent"] == 0
 
 
 def test_stack_size_bounds_each_stack(small_config, monkeypatch) -> None:
@@ -256,6 +299,28 @@ def test_run_stacked_equals_run_job_in_groups(norm: str) -> None:
         assert moved(job.weights, b.weights) > 10 * TOL  # trained
     if norm == "bn":  # the running statistics moved, alike
         assert not torch.equal(together[0].weights["norm1.running_mean"], jobs[0].weights["norm1.running_mean"])
+
+
+def test_per_step_rates_set_each_step_alone_and_stacked() -> None:
+    """A job's rate tuple sets each step's rate: rates (r, 0, 0) without momentum or weight decay end
+    where one step at r ends, alone and stacked; a job's float rate is every step's."""
+    train = TrainSettings(local_steps=3, batch_size=8, learning_rate=0.05, momentum=0.0, weight_decay=0.0)
+    one = TrainSettings(local_steps=1, batch_size=8, learning_rate=0.05, momentum=0.0, weight_decay=0.0)
+    first_only = tiny_jobs([20, 20], one, "gn")
+    for job in first_only:
+        job.lr = 0.3
+    reference = [run_job_alone(job, "gn", one) for job in first_only]
+    jobs, fresh = tiny_jobs([20, 20], train, "gn"), tiny_jobs([20, 20], train, "gn")
+    for job in jobs + fresh:
+        job.lr = (0.3, 0.0, 0.0)
+    assert jobs[0].rate(train, 4, 0) == 0.3 and jobs[0].rate(train, 4, 1) == 0.0
+    alone = [run_job_alone(job, "gn", train) for job in jobs]
+    together = run_stacked(fresh, CNN28(3, 1, "gn"), train, 0)
+    for ref, a, b in zip(reference, alone, together):
+        assert max_diff(ref.weights, a.weights) <= 1e-6 and max_diff(ref.weights, b.weights) <= TOL
+        assert moved(first_only[0].weights, a.weights) > 10 * TOL
+    fixed = LocalJob("client 0", {}, lambda s: {}, stacked.CrossEntropyLoss(), 3, lr=0.2)
+    assert [fixed.rate(train, 4, s) for s in range(3)] == [0.2] * 3
 
 
 @pytest.fixture(autouse=True)

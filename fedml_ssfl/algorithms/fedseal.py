@@ -19,6 +19,9 @@ unlabeled data.
 * Client loss (Eq. 13-15): ``lambda * CE(y+, f(A(x)))`` on strongly augmented positives plus
   ``-log(1 - f(x)_{y-})`` on the (unaugmented) negatives, each the mean over its mini-batch;
   T = ``train_args.local_steps`` SGD steps (momentum ``train_args.momentum``).
+* The client's T steps are a :class:`~fedml_ssfl.stacked.LocalJob` (:meth:`FedSEAL.local_job`,
+  loss :class:`PositiveNegativeLoss`, the round's rate), built after the filtering, so a round's
+  clients can also train stacked (``train_args.stack_clients``).
 * ``lambda`` grows over the rounds (Sec. 4.2.3, "small at first"): linear from
   ``lambda_start`` to ``lambda_end`` over ``lambda_rampup_rounds`` rounds.
 * Learning rate (Sec. 5.2.1: "the initial values of the server learning rate and the client
@@ -73,19 +76,11 @@ from ..aggregation import weighted_average
 from ..errors import ConfigError
 from ..ssl.negative import complementary_loss, sample_complementary_labels
 from ..ssl.pseudo_label import kept_accuracy
-from ..training import (
-    BatchStream,
-    InputPipeline,
-    Phase,
-    Step,
-    cosine_lr,
-    cpu_state,
-    make_optimizer,
-    run_steps,
-    set_lr,
-)
+from ..stacked import JobResult, LocalJob
+from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .global_model import GlobalModelAlgorithm, client_party
+from .global_model import client_party
+from .jobs import JobAlgorithm
 from .registry import register_algorithm
 
 PREDICT_BATCH = 512
@@ -277,7 +272,7 @@ class FedSEALConfig(AlgorithmConfig):
 
 
 @register_algorithm
-class FedSEAL(GlobalModelAlgorithm):
+class FedSEAL(JobAlgorithm):
     """FedSEAL: server training + Eq. 5 thresholds; clients self-ensemble, positive and negative sets."""
 
     name = "fedseal"
@@ -389,10 +384,19 @@ class FedSEAL(GlobalModelAlgorithm):
         self.bootstrapped = state["bootstrapped"]
 
     # ---- client ----------------------------------------------------------------------------
-    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+    def local_job(
+        self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext
+    ) -> LocalJob | Message | None:
+        """Filter the client's samples (Eq. 8-12), then its T steps of Eq. 13-15 as a job.
+
+        The received model's probabilities (eval mode, unaugmented) update the self-ensemble in
+        ``state``; the ensemble and the round's thresholds give the positive and negative sets.
+        A client with neither set replies with its filter metrics only; one without unlabeled
+        data replies empty. The job trains at the round's rate (:meth:`round_lr`).
+        """
         n = data.num_unlabeled
         if n == 0:
-            return Message()
+            return None
         cfg, round_idx = self.config, ctx.round_idx
         model = self.scratch_model(msg.weights, ctx.device)
         pipeline = InputPipeline(self.data_info, ctx.device)
@@ -422,28 +426,65 @@ class FedSEAL(GlobalModelAlgorithm):
             metrics["neg_label_acc"] = 1.0 - neg_acc  # a negative label is right when it is not the class
         if pos.numel() == 0 and neg.numel() == 0:
             return Message(extras={"metrics": metrics})
-
-        lam = cfg.positive_weight(round_idx)
-        model.train()
-        opt = make_optimizer(model, self.train)
-        set_lr(opt, self.round_lr(round_idx))
-        pos_stream = BatchStream(pos, self.train.batch_size, gen) if pos.numel() else None
-        neg_stream = BatchStream(neg, self.train.batch_size, gen) if neg.numel() else None
-
-        def step(s: int) -> Step:
-            loss = torch.zeros((), device=ctx.device)
-            if pos_stream is not None:  # lambda CE(y+, f(A(x))) on the positive set
-                b = next(pos_stream)
-                logits = model(pipeline.strong(data.images[data.unlabeled_idx[b]], gen))
-                loss = loss + lam * F.cross_entropy(logits, sets.pos_labels[b].to(ctx.device))
-            if neg_stream is not None:  # -log(1 - f(x)_{y-}) on the negative set
-                b = next(neg_stream)
-                logits = model(pipeline.plain(data.images[data.unlabeled_idx[b]]))
-                loss = loss + complementary_loss(logits, sets.neg_labels[b].to(ctx.device))
-            return Step(loss)
-
-        party = client_party(data.client_id)
-        metrics.update(
-            run_steps(Phase(opt, step), self.train.local_steps, self.train, round_idx, party, lr="optimizer")
+        return LocalJob(
+            party=client_party(data.client_id),
+            weights=msg.weights,
+            draw=self._set_batches(data, sets, pos, neg, pipeline, gen),
+            loss=PositiveNegativeLoss(cfg.positive_weight(round_idx)),
+            steps=self.train.local_steps,
+            lr=self.round_lr(round_idx),
+            notes={"metrics": metrics},
         )
-        return Message(weights=cpu_state(model), num_samples=n, extras={"metrics": metrics})
+
+    def _set_batches(
+        self,
+        data: ClientData,
+        sets: FilteredSets,
+        pos: torch.Tensor,
+        neg: torch.Tensor,
+        pipeline: InputPipeline,
+        gen: torch.Generator,
+    ) -> Any:
+        """``draw(s)``: a positive batch, strongly augmented, with ``y+`` (``x_pos``, ``y_pos``) and a
+        negative batch, unaugmented, with ``y-`` (``x_neg``, ``y_neg``); each where its set is not empty."""
+        bs, device = self.train.batch_size, pipeline.device
+        pos_stream = BatchStream(pos, bs, gen) if pos.numel() else None
+        neg_stream = BatchStream(neg, bs, gen) if neg.numel() else None
+
+        def draw(s: int) -> dict[str, torch.Tensor]:
+            batch: dict[str, torch.Tensor] = {}
+            if pos_stream is not None:
+                b = next(pos_stream)
+                batch["x_pos"] = pipeline.strong(data.images[data.unlabeled_idx[b]], gen)
+                batch["y_pos"] = sets.pos_labels[b].to(device)
+            if neg_stream is not None:
+                b = next(neg_stream)
+                batch["x_neg"] = pipeline.plain(data.images[data.unlabeled_idx[b]])
+                batch["y_neg"] = sets.neg_labels[b].to(device)
+            return batch
+
+        return draw
+
+    def client_reply(
+        self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict[str, Any]
+    ) -> Message:
+        metrics = {**job.notes["metrics"], **result.metrics}
+        return Message(weights=result.weights, num_samples=data.num_unlabeled, extras={"metrics": metrics})
+
+
+@dataclass(frozen=True)
+class PositiveNegativeLoss:
+    """A FedSEAL client's step loss (Eq. 13-15): ``lambda CE(y+, f(A(x)))`` on the positive batch plus
+    ``-log(1 - f(x)_{y-})`` on the negative batch (:func:`~fedml_ssfl.ssl.negative.complementary_loss`),
+    each the mean over its batch; a term whose set is empty is left out."""
+
+    positive_weight: float
+
+    def __call__(self, forward: Any, params: Any, consts: Any, batch: Any, s: int) -> tuple:
+        loss = None
+        if "x_pos" in batch:  # lambda CE(y+, f(A(x))) on the positive set
+            loss = self.positive_weight * F.cross_entropy(forward(batch["x_pos"]), batch["y_pos"])
+        if "x_neg" in batch:  # -log(1 - f(x)_{y-}) on the negative set
+            negative = complementary_loss(forward(batch["x_neg"]), batch["y_neg"])
+            loss = negative if loss is None else loss + negative
+        return loss, {}

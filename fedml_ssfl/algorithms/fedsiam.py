@@ -46,6 +46,11 @@ Client update (Sec. 3.1, 3.2)
       (parameters and BatchNorm running statistics); integer buffers are copied from the online
       net. The target runs in train mode without gradient (dropout / batch statistics act as
       part of the perturbation, as in Mean Teacher).
+    * The update is a :class:`~fedml_ssfl.stacked.LocalJob` (:meth:`FedSiam.local_job`): the online
+      net is the trained model, the target its :class:`~fedml_ssfl.stacked.Follower` with each
+      step's alpha, the loss :class:`SiameseLoss` with each step's beta^k, so a round's clients
+      can also train stacked (``train_args.stack_clients``) with the same results up to summation
+      order; the FSM and the upload rule run per client on the result (:meth:`FedSiam.client_reply`).
     * FSM (Eq. 10) after local training, per layer ``j``:
       ``FSM[j] = ||theta_t[j] - theta_s[j]|| / ||theta_s[j]||`` (Euclidean norm over all floating
       tensors of the layer; :func:`fsm`). A *layer* is one module of the model: the state keys
@@ -175,9 +180,12 @@ from .. import seeding
 from ..aggregation import Scratch, dense_layout, weighted_average
 from ..errors import ConfigError
 from ..ssl.consistency import kl_consistency, sigmoid_rampup, softmax_mse
-from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, make_optimizer, run_steps
+from ..ssl.ema import ema_pairs, ema_update
+from ..stacked import Follower, JobResult, LocalJob
+from ..training import BatchStream, InputPipeline, cosine_lr, cpu_state
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .global_model import GlobalModelAlgorithm, client_party
+from .global_model import client_party
+from .jobs import JobAlgorithm
 from .registry import register_algorithm
 
 VARIANTS = ("pi", "mt", "d")
@@ -217,25 +225,6 @@ def epoch_counter(participation: int, epochs: int, epoch: int) -> int:
     steps) and ``epoch`` the 0-based local epoch: ``c = p E + e + 1``.
     """
     return participation * epochs + epoch + 1
-
-
-def ema_pairs(target: nn.Module, online: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(target tensor, online tensor) for every state entry, sharing the models' storage."""
-    t_state, o_state = target.state_dict(), online.state_dict()
-    return [(t_state[k], o_state[k]) for k in t_state]
-
-
-@torch.no_grad()
-def ema_update(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], alpha: float) -> None:
-    """Eq. 9 in place: ``theta_t <- alpha theta_t + (1 - alpha) theta_s`` for floating tensors.
-
-    Integer buffers (BatchNorm's ``num_batches_tracked``) are copied; ``alpha = 0`` copies all.
-    """
-    for t, s in pairs:
-        if alpha == 0.0 or not t.is_floating_point():
-            t.copy_(s)
-        else:
-            t.mul_(alpha).add_(s, alpha=1.0 - alpha)
 
 
 # ---- Eq. 10: layer-level divergence -----------------------------------------------------------------
@@ -526,7 +515,7 @@ class FedSiamConfig(AlgorithmConfig):
 
 # ---- the algorithm -----------------------------------------------------------------------------------
 @register_algorithm
-class FedSiam(GlobalModelAlgorithm):
+class FedSiam(JobAlgorithm):
     """FedSiam: siamese clients, FSM layer selection, FedAvg of targets and (partly borrowed) online nets.
 
     Server state: ``global_state`` (the global online net G, broadcast and evaluated),
@@ -670,88 +659,86 @@ class FedSiam(GlobalModelAlgorithm):
         epochs, per_epoch = self.local_epochs(data)
         return epochs * per_epoch
 
-    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+    def local_job(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> LocalJob | None:
+        """The client's local training (Eq. 7 / 8 with Eq. 9 after every step) as a job.
+
+        The online net starts from the received online net (the target for Pi, which sends
+        none), its :class:`~fedml_ssfl.stacked.Follower` is the target (the received one, or the
+        client's own with ``target_sync: false``) with each step's alpha; the loss is
+        :class:`SiameseLoss` with each step's beta^k in ``consts["beta"]``; the rate follows
+        ``train_args.lr_schedule`` across the round's steps.
+        """
         if data.num_labeled + data.num_unlabeled == 0:
-            return Message()
-        self._ensure_scratch("client", "target")
-        n_lab, n_unl = data.num_labeled, data.num_unlabeled
-        cfg, round_idx, device = self.config, ctx.round_idx, ctx.device
+            return None
+        cfg, round_idx = self.config, ctx.round_idx
         target_w = {k: v for k, v in msg.weights.items() if not k.startswith(ONLINE_PREFIX)}
         online_w = {k[len(ONLINE_PREFIX) :]: v for k, v in msg.weights.items() if k.startswith(ONLINE_PREFIX)}
-        online_sent = bool(online_w)
         if not cfg.target_sync and "target" in state:
             target_w = state["target"]
-        online = self.scratch_model(online_w or target_w, device, slot="client")
-        target = self.scratch_model(target_w, device, slot="target")
-        online.train()
-        target.train()
-        pipeline = InputPipeline(self.data_info, device)
+        epochs, per_epoch = self.local_epochs(data)
+        steps, T = epochs * per_epoch, self.train.local_steps
+        t0 = int(state.get("steps", 0))
+        participation = int(state.get("participations", 0)) + 1  # the authors' user_epoch
+        # the ramp counter of each step, constant within a local epoch
+        counters = [epoch_counter(participation, epochs, s // per_epoch) for s in range(steps)]
+        num_classes = self.data_info.num_classes
+        betas = [cfg.beta(c if cfg.beta_ramp_unit == "epoch" else round_idx, num_classes) for c in counters]
+        alphas = [cfg.alpha(round_idx, c if cfg.ramp_unit == "epoch" else t0 + s + 1) for s, c in enumerate(counters)]
+        return LocalJob(
+            party=client_party(data.client_id),
+            weights=online_w or target_w,
+            draw=self._siamese_views(data, ctx),
+            loss=SiameseLoss(cfg.consistency, cfg.consistency_on_labeled),
+            steps=steps,
+            consts={"beta": torch.tensor(betas, dtype=torch.float32)},
+            lr=tuple(cosine_lr(self.train, round_idx * T + (s * T) // steps) for s in range(steps)),
+            follower=Follower(target_w, torch.tensor(alphas, dtype=torch.float64)),  # Eq. 9 after every step
+            notes={"beta": betas[-1], "alpha": alphas[-1], "counter": counters[-1], "steps_total": t0 + steps},
+        )
+
+    def _siamese_views(self, data: ClientData, ctx: ClientContext) -> Any:
+        """``draw(s)``: a labeled and an unlabeled batch, each with two weak views (x + eta, x + eta').
+
+        ``x_online``: the labeled then the unlabeled views for the online net; ``x_target``: the
+        other views (of the labeled batch too with ``consistency_on_labeled``) for the target;
+        ``y``: the labeled batch's labels. Drawn from the client's stream in that order.
+        """
+        pipeline = InputPipeline(self.data_info, ctx.device)
         gen = ctx.generator(data.client_id)
         bs = self.train.batch_size
-        lab_stream = BatchStream(data.labeled_idx, bs, gen) if n_lab else None
-        unl_stream = BatchStream(data.unlabeled_idx, bs, gen) if n_unl else None
-        epochs, per_epoch = self.local_epochs(data)
-        steps = epochs * per_epoch
-        opt = make_optimizer(online, self.train)
-        pairs = ema_pairs(target, online)
-        consistency = softmax_mse if cfg.consistency == "mse" else kl_consistency
-        num_classes = self.data_info.num_classes
-        t = int(state.get("steps", 0))
-        participation = int(state.get("participations", 0)) + 1  # the authors' user_epoch
-        T = self.train.local_steps
-        alpha = beta = 0.0
-        counter = 0
+        lab_stream = BatchStream(data.labeled_idx, bs, gen) if data.num_labeled else None
+        unl_stream = BatchStream(data.unlabeled_idx, bs, gen) if data.num_unlabeled else None
+        on_labeled = self.config.consistency_on_labeled
 
-        def step(s: int) -> Step:
-            nonlocal counter, beta
-            counter = epoch_counter(participation, epochs, s // per_epoch)  # constant within an epoch
-            beta = cfg.beta(counter if cfg.beta_ramp_unit == "epoch" else round_idx, num_classes)
+        def draw(s: int) -> dict[str, torch.Tensor]:
+            batch: dict[str, torch.Tensor] = {}
             x_online, x_target = [], []
-            n_sup, labels = 0, None
             if lab_stream is not None:
                 b = next(lab_stream)
                 raw = data.images[b]
                 x_online.append(pipeline.weak(raw, gen))  # x + eta
-                if cfg.consistency_on_labeled:
+                if on_labeled:
                     x_target.append(pipeline.weak(raw, gen))  # x + eta'
-                n_sup, labels = b.numel(), data.labels[b].to(device)
+                batch["y"] = data.labels[b].to(ctx.device)
             if unl_stream is not None:
                 raw = data.images[next(unl_stream)]
                 x_online.append(pipeline.weak(raw, gen))
                 x_target.append(pipeline.weak(raw, gen))
-            logits = online(torch.cat(x_online))
-            loss = torch.zeros((), device=device)
-            metrics: dict[str, torch.Tensor | float] = {}
-            if labels is not None:
-                ce = F.cross_entropy(logits[:n_sup], labels)  # L, Eq. 6
-                loss = loss + ce
-                metrics["ce"] = ce
-            metrics["consistency"] = 0.0
+            batch["x_online"] = torch.cat(x_online)
             if x_target:
-                with torch.no_grad():
-                    probs = F.softmax(target(torch.cat(x_target)).float(), dim=1)
-                j = consistency(logits if cfg.consistency_on_labeled else logits[n_sup:], probs)  # J, Eq. 4/5
-                loss = loss + beta * j
-                metrics["consistency"] = j
-            return Step(loss, metrics)
+                batch["x_target"] = torch.cat(x_target)
+            return batch
 
-        def after_step(s: int) -> None:
-            nonlocal t, alpha
-            t += 1
-            alpha = cfg.alpha(round_idx, counter if cfg.ramp_unit == "epoch" else t)
-            ema_update(pairs, alpha)  # Eq. 9
+        return draw
 
-        metrics = run_steps(
-            Phase(opt, step),
-            steps,
-            self.train,
-            round_idx,
-            client_party(data.client_id),
-            lr=lambda s: cosine_lr(self.train, round_idx * T + (s * T) // steps),
-            after_step=after_step,
-        )
-        state["steps"], state["participations"] = t, participation
-        target_state, online_state = cpu_state(target), cpu_state(online)
+    def client_reply(
+        self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict[str, Any]
+    ) -> Message:
+        """The target net, the online layers with FSM >= boundary (Eq. 10, Sec. 3.3.2), the counters."""
+        cfg, notes = self.config, job.notes
+        state["steps"] = notes["steps_total"]
+        state["participations"] = int(state.get("participations", 0)) + 1
+        target_state, online_state = result.follower, result.weights
         if not cfg.target_sync:
             state["target"] = target_state
         groups = layer_groups(target_state.keys())
@@ -759,16 +746,17 @@ class FedSiam(GlobalModelAlgorithm):
         tau, boundary = float(msg.extras.get("tau", 0.0)), float(msg.extras.get("boundary", 0.0))
         weights = dict(target_state)
         uploaded = 0
-        if online_sent and tau > 0:
+        if any(k.startswith(ONLINE_PREFIX) for k in msg.weights) and tau > 0:
             for j, keys in enumerate(groups.values()):
                 if tau >= 1 or float(divergence[j]) >= boundary:  # Sec. 3.3.2
                     weights.update({ONLINE_PREFIX + k: online_state[k] for k in keys})
                     uploaded += 1
+        metrics = dict(result.metrics)
         metrics.update(
-            beta=beta,
-            alpha=alpha,
-            ramp_counter=float(counter),
-            steps_total=float(t),
+            beta=notes["beta"],
+            alpha=notes["alpha"],
+            ramp_counter=float(notes["counter"]),
+            steps_total=float(notes["steps_total"]),
             fsm_mean=float(divergence.mean()),
             fsm_max=float(divergence.max()),
             online_frac=uploaded / len(groups),
@@ -776,4 +764,37 @@ class FedSiam(GlobalModelAlgorithm):
         extras: dict[str, Any] = {"metrics": metrics}
         if cfg.variant == "d":
             extras["fsm"] = divergence.float()
-        return Message(weights=weights, num_samples=n_lab + n_unl, extras=extras)
+        return Message(weights=weights, num_samples=data.num_labeled + data.num_unlabeled, extras=extras)
+
+
+@dataclass(frozen=True)
+class SiameseLoss:
+    """A FedSiam client's step loss, Eq. 7 (labels-at-client) / Eq. 8 (labels-at-server).
+
+    ``L`` (Eq. 6): cross-entropy of the online net's output on the labeled views ``x_online[:n']``
+    against ``y`` (when the batch has labels); ``J`` (Eq. 4 ``mse`` / Eq. 5 ``kl``): the
+    consistency between the online outputs (all of them with ``on_labeled``, else the unlabeled
+    ones) and the target's probabilities on ``x_target`` (``forward.follower``, no gradient);
+    loss ``L + beta^k J`` with ``beta^k = consts["beta"][s]``.
+    """
+
+    consistency: str
+    on_labeled: bool
+
+    def __call__(self, forward: Any, params: Any, consts: Any, batch: Any, s: int) -> tuple:
+        logits = forward(batch["x_online"])
+        n_sup = batch["y"].shape[0] if "y" in batch else 0
+        loss, metrics = None, {}
+        if n_sup:
+            ce = F.cross_entropy(logits[:n_sup], batch["y"])  # L, Eq. 6
+            loss, metrics["ce"] = ce, ce
+        if "x_target" in batch:
+            probs = F.softmax(forward.follower(batch["x_target"]).float(), dim=1)
+            consistency = softmax_mse if self.consistency == "mse" else kl_consistency  # read at call time
+            j = consistency(logits if self.on_labeled else logits[n_sup:], probs)  # J, Eq. 4/5
+            weighted = consts["beta"][s] * j
+            loss = weighted if loss is None else loss + weighted
+            metrics["consistency"] = j
+        else:
+            metrics["consistency"] = torch.zeros_like(loss)
+        return loss, {"metrics": metrics}

@@ -27,8 +27,11 @@ class JobAlgorithm(GlobalModelAlgorithm):
 
     stackable: ClassVar[bool] = True
 
-    def local_job(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> LocalJob | None:
-        """The client's local training as a job; None when it has nothing to train on (it replies empty)."""
+    def local_job(
+        self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext
+    ) -> LocalJob | Message | None:
+        """The client's local training as a job; a :class:`Message` to reply without training (e.g.
+        with metrics only), None to reply empty (nothing to train on)."""
         raise NotImplementedError
 
     def client_reply(
@@ -39,17 +42,18 @@ class JobAlgorithm(GlobalModelAlgorithm):
 
     def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
         job = self.local_job(msg, data, state, ctx)
-        if job is None:
-            return Message()
+        if not isinstance(job, LocalJob):
+            return Message() if job is None else job
         model = self.scratch_model(job.weights, ctx.device)
-        return self.client_reply(job, run_job(job, model, self.train, ctx.round_idx), msg, data, state)
+        follower = None if job.follower is None else self.scratch_model(job.follower.weights, ctx.device, "follower")
+        return self.client_reply(job, run_job(job, model, self.train, ctx.round_idx, follower), msg, data, state)
 
     def client_updates_stacked(
         self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext, max_stack: int = 0
     ) -> dict[int, Message]:
         jobs = {k: self.local_job(msg, data, state, ctx) for k, (msg, data, state) in work.items()}
-        live = [k for k, job in jobs.items() if job is not None]
-        replies = {k: Message() for k in work}
+        live = [k for k, job in jobs.items() if isinstance(job, LocalJob)]
+        replies = {k: job if isinstance(job, Message) else Message() for k, job in jobs.items()}
         if live:
             model = self.scratch_model(jobs[live[0]].weights, ctx.device)
             results = run_stacked([jobs[k] for k in live], model, self.train, ctx.round_idx, max_stack)
