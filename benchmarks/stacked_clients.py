@@ -12,8 +12,8 @@ changes (the same kind of summation-order difference), and writes
 Rows: ``fedavg_sl`` (supervised, B = 10) and ``fedprox_fixmatch`` (labels-at-client, B^S = 10,
 B^U = 10 here) on MNIST-5k with cnn28 (GroupNorm), ``semifl`` (B = 10, cnn28 with BatchNorm) and
 ``fedsiam`` (FedSiam-MT in its MNIST setting: its CNN, B = 10, an EMA target per client) and
-``fedseal`` (positive and negative batches of 10 from each client's filtered samples), for each
-client count.
+``fedseal`` (positive and negative batches of 10 from each client's filtered samples) and
+``fedmatch`` (labels-at-client, B^S = 10, B^U = 100, helpers), for each client count.
 
 Usage::
 
@@ -79,6 +79,17 @@ SETTINGS = {
     # class-wise thresholds (200 validation samples, the paper's), then trains on its positive (strong view)
     # and negative (complementary label) batches of B = 10
     "fedseal": ["ssfl_args.algorithm=fedseal", "data_args.num_server_val=200"],
+    # FedMatch labels-at-client (configs/mnist5k/fedmatch_client.yaml): B^S = 10 labeled, B^U = 100 unlabeled,
+    # a sigma and a psi step each local step, helpers every round from round 1
+    "fedmatch": [
+        "ssfl_args.algorithm=fedmatch",
+        "data_args.label_scenario=client",
+        "data_args.labels_per_class_client=5",
+        "data_args.num_server_labels=0",
+        "ssfl_args.lambda_l2=0.1",
+        "ssfl_args.helper_interval=1",
+        "train_args.momentum=0.0",
+    ],
 }
 
 

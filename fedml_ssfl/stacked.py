@@ -203,7 +203,8 @@ def _tree_map(fn: Callable[[torch.Tensor], torch.Tensor], tree: Tree) -> Tree:
     return fn(tree)
 
 
-def _split_truth(batch: Mapping[str, Tree]) -> tuple[dict[str, Tree], torch.Tensor | None]:
+def split_truth(batch: Mapping[str, Tree]) -> tuple[dict[str, Tree], torch.Tensor | None]:
+    """A batch without its :data:`TRUTH` entry, and that entry (None when absent)."""
     batch = dict(batch)
     return batch, batch.pop(TRUTH, None)
 
@@ -219,7 +220,7 @@ def job_step(job: LocalJob, model: nn.Module, follower: nn.Module | None = None)
     nets = StepNets(model, follower)
 
     def step(s: int) -> Step:
-        batch, truth = _split_truth(job.draw(s))
+        batch, truth = split_truth(job.draw(s))
         loss, aux = job.loss(nets, params, consts, batch, s)
         pseudo = None
         if "pseudo_mask" in aux:
@@ -325,16 +326,17 @@ def refuse_random_layers(model: nn.Module) -> None:
             )
 
 
-def _stack(trees: Sequence[Tree], device: torch.device) -> Tree:
+def stack_trees(trees: Sequence[Tree], device: torch.device) -> Tree:
     """Stack equal-shaped trees along a new leading dimension, on ``device``."""
     if isinstance(trees[0], Mapping):
-        return {k: _stack([t[k] for t in trees], device) for k in trees[0]}
+        return {k: stack_trees([t[k] for t in trees], device) for k in trees[0]}
     return torch.stack(list(trees)).to(device)  # one copy to the device for host-side tensors
 
 
-def _shapes(tree: Tree) -> Any:
+def tree_shapes(tree: Tree) -> Any:
+    """The shapes and dtypes of a tree's tensors, comparable with ``==`` (what a stack must share)."""
     if isinstance(tree, Mapping):
-        return tuple((k, _shapes(tree[k])) for k in sorted(tree))
+        return tuple((k, tree_shapes(tree[k])) for k in sorted(tree))
     return (tuple(tree.shape), tree.dtype)
 
 
@@ -349,21 +351,28 @@ def _signature(job: LocalJob, first: Mapping[str, Tree]) -> tuple:
         job.lr,
         tuple(sorted(job.momentum)),
         job.follower is None,
-        _shapes(dict(first)),
-        _shapes(job.consts),
+        tree_shapes(dict(first)),
+        tree_shapes(job.consts),
     )
 
 
-def stack_groups(jobs: Sequence[LocalJob], firsts: Sequence[Mapping[str, Tree]], max_stack: int = 0) -> list[list[int]]:
+def stack_groups(
+    jobs: Sequence[Any],
+    firsts: Sequence[Mapping[str, Tree]],
+    max_stack: int = 0,
+    signature: Callable[[Any, Mapping[str, Tree]], tuple] = _signature,
+) -> list[list[int]]:
     """Indices of ``jobs`` grouped by what a stack must share, in first-appearance order.
 
     ``firsts`` are the jobs' step-0 batches (their shapes decide). ``max_stack > 0`` splits a
     group into stacks of at most that many jobs (memory; CPU caches); 0: no limit.
+    ``signature(job, first)`` is what jobs of one stack must share (for :class:`LocalJob`: steps,
+    optimiser settings, loss, rates, batch and constant shapes).
     """
     keys: list[tuple] = []
     groups: list[list[int]] = []
     for i, (job, first) in enumerate(zip(jobs, firsts)):
-        key = _signature(job, first)
+        key = signature(job, first)
         for g, other in enumerate(keys):
             if other == key:
                 groups[g].append(i)
@@ -376,7 +385,7 @@ def stack_groups(jobs: Sequence[LocalJob], firsts: Sequence[Mapping[str, Tree]],
     return groups
 
 
-class _StackedMeans:
+class StackedMeans:
     """:class:`~fedml_ssfl.training.MetricMeans` for C clients at once: sums kept on the device in float64."""
 
     def __init__(self, clients: int, device: torch.device) -> None:
@@ -454,20 +463,20 @@ def _train_group(
     state_keys = list(model.state_dict().keys())
     param_names = [n for n, _ in model.named_parameters()]
     buffer_names = [k for k in state_keys if k not in set(param_names)]
-    params = {n: _stack([j.weights[n] for j in jobs], device) for n in param_names}
-    buffers = {n: _stack([j.weights[n] for j in jobs], device) for n in buffer_names}
-    moms = {n: _stack([j.momentum[n] for j in jobs], device) for n in param_names if n in lead.momentum}
-    consts = _stack([j.consts for j in jobs], device) if lead.consts else {}
+    params = {n: stack_trees([j.weights[n] for j in jobs], device) for n in param_names}
+    buffers = {n: stack_trees([j.weights[n] for j in jobs], device) for n in buffer_names}
+    moms = {n: stack_trees([j.momentum[n] for j in jobs], device) for n in param_names if n in lead.momentum}
+    consts = stack_trees([j.consts for j in jobs], device) if lead.consts else {}
     # the followers' params and buffers, and their decays (C, steps); empty without followers
     f_params: dict[str, torch.Tensor] = {}
     f_buffers: dict[str, torch.Tensor] = {}
     alphas, pairs = None, []
     if lead.follower is not None:
-        f_params = {n: _stack([j.follower.weights[n] for j in jobs], device) for n in param_names}
-        f_buffers = {n: _stack([j.follower.weights[n] for j in jobs], device) for n in buffer_names}
+        f_params = {n: stack_trees([j.follower.weights[n] for j in jobs], device) for n in param_names}
+        f_buffers = {n: stack_trees([j.follower.weights[n] for j in jobs], device) for n in buffer_names}
         alphas = torch.stack([j.follower.alphas for j in jobs]).to(device)
         pairs = [((f_params | f_buffers)[k], (params | buffers)[k]) for k in state_keys]
-    means = _StackedMeans(len(jobs), device)
+    means = StackedMeans(len(jobs), device)
     step_now = 0
 
     def objective(p: dict, b: dict, c: dict, batch: dict, fp: dict, fb: dict) -> tuple:
@@ -484,9 +493,9 @@ def _train_group(
     for s in range(lead.steps):
         step_now = s
         drawn = first if s == 0 else [j.draw(s) for j in jobs]
-        split = [_split_truth(b) for b in drawn]
-        batch = _stack([b for b, _ in split], device)
-        truth = _stack([t for _, t in split], device) if split[0][1] is not None else None
+        split = [split_truth(b) for b in drawn]
+        batch = stack_trees([b for b, _ in split], device)
+        truth = stack_trees([t for _, t in split], device) if split[0][1] is not None else None
         rate = lead.rate(train, round_idx, s)
         grads, (loss, aux) = grad_fn(params, buffers, consts, batch, f_params, f_buffers)
         if not bool(torch.isfinite(loss).all()):
@@ -545,6 +554,7 @@ __all__ = [
     "TRUTH",
     "CrossEntropyLoss",
     "Follower",
+    "StackedMeans",
     "StepNets",
     "JobResult",
     "LocalJob",
@@ -554,6 +564,9 @@ __all__ = [
     "run_job",
     "run_stacked",
     "sgd_update",
+    "split_truth",
     "stack_groups",
+    "stack_trees",
     "supervised_job",
+    "tree_shapes",
 ]

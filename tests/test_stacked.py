@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fedml_ssfl import stacked
+from fedml_ssfl.algorithms import fedmatch as fedmatch_module
 from fedml_ssfl.algorithms import jobs as algorithm_jobs
 from fedml_ssfl.algorithms import semifl as semifl_module
 from fedml_ssfl.algorithms.base import NonFiniteLossError
@@ -91,6 +92,28 @@ CASES = {
         "ssfl_args.bootstrap_steps=20",
         "ssfl_args.theta=0.2",
         "ssfl_args.fixed_threshold=0.3",
+    ],
+    # FedMatch's disjoint learning: a sigma step (Eq. 4) then a psi step (Eq. 5) a step, two optimisers, the
+    # helpers (every round here, from round 1) in eval mode; labels-at-client with BatchNorm and momentum,
+    # labels-at-server (psi only) with GroupNorm
+    "fedmatch-client-bn": [
+        "ssfl_args.algorithm=fedmatch",
+        "data_args.label_scenario=client",
+        "data_args.num_server_labels=0",
+        "data_args.labels_per_class_client=2",
+        "model_args.norm=bn",
+        "ssfl_args.unlabeled_batch_size=12",
+        "ssfl_args.tau=0.2",
+        "ssfl_args.helper_interval=1",
+        "ssfl_args.momentum=0.5",
+        "ssfl_args.lambda_l2=1.0",
+        "train_args.weight_decay=0.01",  # sigma's optimiser only
+    ],
+    "fedmatch-server-gn": [
+        "ssfl_args.algorithm=fedmatch",
+        "ssfl_args.unlabeled_batch_size=12",
+        "ssfl_args.tau=0.2",
+        "ssfl_args.helper_interval=1",
     ],
     "local_fixmatch-gn": [
         "ssfl_args.algorithm=local_fixmatch",
@@ -176,18 +199,23 @@ def test_stacked_states_survive_a_spilling_store(small_config, tmp_path) -> None
 
 
 @pytest.mark.parametrize(
-    ("case", "module", "plain_owner", "plain_name"),
+    ("case", "module", "stacked_name", "plain_owner", "plain_name", "loss_key"),
     [
-        ("fedavg_sl-gn", algorithm_jobs, algorithm_jobs, "run_job"),
-        ("semifl-bn", semifl_module, semifl_module.SemiFL, "_train"),  # SemiFL's own step loop
-        ("fedsiam-mt-bn", algorithm_jobs, algorithm_jobs, "run_job"),
-        ("fedseal-bn", algorithm_jobs, algorithm_jobs, "run_job"),
+        ("fedavg_sl-gn", algorithm_jobs, "run_stacked", algorithm_jobs, "run_job", "client_loss"),
+        # SemiFL's own step loop
+        ("semifl-bn", semifl_module, "run_stacked", semifl_module.SemiFL, "_train", "client_loss"),
+        ("fedsiam-mt-bn", algorithm_jobs, "run_stacked", algorithm_jobs, "run_job", "client_loss"),
+        ("fedseal-bn", algorithm_jobs, "run_stacked", algorithm_jobs, "run_job", "client_loss"),
+        # FedMatch's disjoint learning: two phases a step
+        ("fedmatch-client-bn", fedmatch_module, "run_disjoint_stacked", fedmatch_module, "run_disjoint", "client_l2"),
     ],
 )
-def test_stacking_is_not_bypassed(small_config, monkeypatch, case, module, plain_owner, plain_name) -> None:
-    """With the option on, the round's clients go through run_stacked once, never one after another."""
+def test_stacking_is_not_bypassed(
+    small_config, monkeypatch, case, module, stacked_name, plain_owner, plain_name, loss_key
+) -> None:
+    """With the option on, the round's clients go through the stacked trainer once, never one after another."""
     calls: list[int] = []
-    real = module.run_stacked
+    real = getattr(module, stacked_name)
 
     def counting(jobs, *args, **kwargs):
         calls.append(len(jobs))
@@ -196,13 +224,13 @@ def test_stacking_is_not_bypassed(small_config, monkeypatch, case, module, plain
     def refused(*args, **kwargs):
         raise AssertionError("a client trained one after another although train_args.stack_clients is true")
 
-    monkeypatch.setattr(module, "run_stacked", counting)
+    monkeypatch.setattr(module, stacked_name, counting)
     monkeypatch.setattr(plain_owner, plain_name, refused)
     cfg = small_config(*SIZE, *CASES[case], "train_args.stack_clients=true")
     exp = build_experiment(cfg)
     exp.algorithm.setup()
     row = run_round(exp, 0, {k: {} for k in range(4)})
-    assert calls == [3] and row["client_loss"] > 0  # the clients trained
+    assert calls == [3] and row[loss_key] > 0  # the clients trained
 
 
 def test_clients_that_do_not_train_reply_their_metrics_stacked_too(small_config) -> None:
@@ -363,8 +391,9 @@ def test_sgd_update_is_torch_sgd(momentum: float, nesterov: bool, wd: float) -> 
 
 
 def test_config_refuses_unsupported_algorithms_and_runtimes(small_config) -> None:
-    with pytest.raises(ConfigError, match=r"^train_args\.stack_clients: algorithm 'fedmatch'.*supported: .*semifl"):
-        small_config("ssfl_args.algorithm=fedmatch", "train_args.stack_clients=true")
+    refused = r"^train_args\.stack_clients: algorithm 'server_only'.*supported: .*fedmatch"
+    with pytest.raises(ConfigError, match=refused):
+        small_config("ssfl_args.algorithm=server_only", "train_args.stack_clients=true")
     for semifl in (["ssfl_args.local_epochs=5"], ["ssfl_args.local_epochs=null", "ssfl_args.pseudo_labels=batch"]):
         with pytest.raises(ConfigError, match=r"^train_args\.stack_clients: semifl trains clients stacked only with"):
             small_config("ssfl_args.algorithm=semifl", *semifl, "train_args.stack_clients=true")

@@ -8,7 +8,9 @@ model is built by ``model_fn()`` and run with ``torch.func.functional_call`` on 
   Eq. 4: ``L_s(sigma) = lambda_s CE(y, p_{sigma + psi*}(y | alpha(x)))``. ``psi`` learns from
   unlabeled data with ``sigma`` frozen, Eq. 5:
   ``L_u(psi) = Phi_{sigma* + psi} + lambda_L2 ||sigma* - psi||_2^2 + lambda_L1 ||psi||_1``
-  (squared L2 norm and L1 norm summed over all parameters). Two SGD optimisers, one per set.
+  (squared L2 norm and L1 norm summed over all parameters). Two SGD optimisers, one per set. The
+  two losses are :class:`FedMatchLoss`; :mod:`fedml_ssfl.algorithms.disjoint` trains them one
+  client after another or a round's clients stacked (``train_args.stack_clients``).
 * Unlabeled loss Phi (Eq. 2): ``lambda_a CE(y_hat, f(A(u)))`` on the strongly augmented input
   with the agreement pseudo-label ``y_hat`` of Eq. 3 (majority vote of the one-hot argmaxes of
   the local model and its H helpers on the unaugmented ``u``, kept where the local confidence
@@ -153,8 +155,10 @@ from ..helper_selection import model_embedding, nearest_helpers, probe_input
 from ..sparse import densify, density, hard_threshold, num_values, sparsify
 from ..ssl import PseudoLabels, kl_consistency
 from ..ssl.agreement import agreement_pseudo_labels
-from ..training import BatchStream, InputPipeline, Phase, Step, cpu_state, run_steps
+from ..stacked import TRUTH
+from ..training import BatchStream, InputPipeline, cpu_state
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, client_records_state, message_nbytes
+from .disjoint import DisjointJob, DisjointResult, run_disjoint, run_disjoint_stacked
 from .global_model import GlobalModelAlgorithm, client_party
 from .registry import register_algorithm
 
@@ -366,6 +370,44 @@ def psi_regularisers(sigma: dict[str, torch.Tensor], psi: dict[str, torch.Tensor
     return l2, l1
 
 
+@dataclass(frozen=True)
+class FedMatchLoss:
+    """Disjoint learning's two step losses (Eq. 4 and Eq. 5), for both training paths
+    (:mod:`fedml_ssfl.algorithms.disjoint`): pure functions of ``sigma``, ``psi`` and the batch."""
+
+    lambda_s: float
+    lambda_a: float
+    lambda_i: float
+    lambda_l2: float
+    lambda_l1: float
+    tau: float
+
+    def sigma(self, net: Any, sigma: Any, psi: Any, batch: Any) -> torch.Tensor:
+        """Eq. 4: ``lambda_s CE(y, p_{sigma + psi*}(y | alpha(x)))``, psi frozen."""
+        w = {n: sigma[n] + psi[n].detach() for n in sigma}
+        return self.lambda_s * F.cross_entropy(net(w, batch["x_lab"], True), batch["y_lab"])
+
+    def psi(self, net: Any, sigma: Any, psi: Any, helpers: Sequence[Any], batch: Any) -> tuple:
+        """Eq. 5: ``Phi_{sigma* + psi} + lambda_L2 ||sigma* - psi||^2 + lambda_L1 ||psi||_1``, sigma frozen.
+
+        Phi (Eq. 2) from the local model in train mode on ``x_plain`` and ``x_strong`` (one pass) and
+        the frozen helpers in eval mode on ``x_plain``.
+        """
+        x_plain = batch["x_plain"]
+        n_b = x_plain.shape[0]
+        helper_probs = []
+        if helpers:  # frozen helpers sigma + psi_h on the unaugmented input
+            with torch.no_grad():
+                helper_probs = [net(hw, x_plain, False).float().softmax(dim=1) for hw in helpers]
+        w = {n: sigma[n].detach() + psi[n] for n in psi}
+        logits_plain, logits_strong = net(w, torch.cat([x_plain, batch["x_strong"]]), True).split(n_b)
+        loss_a, loss_i, pl = phi(logits_plain, logits_strong, helper_probs, self.tau)  # Eq. 2, 3
+        l2, l1 = psi_regularisers(sigma, psi)
+        loss_u = self.lambda_a * loss_a + self.lambda_i * loss_i + self.lambda_l2 * l2 + self.lambda_l1 * l1  # Eq. 5
+        terms = {"loss_agree": loss_a, "loss_kl": loss_i, "l2": l2, "mask_rate": pl.mask.float().mean()}
+        return loss_u, terms, pl
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -396,6 +438,7 @@ class FedMatch(GlobalModelAlgorithm):
     config_class = FedMatchConfig
     label_scenarios = ("server", "client")
     partial_replies = True  # replies carry sigma/psi deltas only for the parts a client trained
+    stackable = True  # train_args.stack_clients: client_updates_stacked
     client_records = ("views", "client_psi")  # per seen client; spillable under device_args.state_memory_mb
     _layout: Layout | None = None  # cached by layout(); a FedML worker never runs setup()
 
@@ -618,6 +661,43 @@ class FedMatch(GlobalModelAlgorithm):
         self._refresh_global()
 
     # ---- training (both sides) -----------------------------------------------------------------
+    def step_loss(self) -> FedMatchLoss:
+        """Eq. 4 and Eq. 5 with this run's weights."""
+        cfg = self.config
+        return FedMatchLoss(cfg.lambda_s, cfg.lambda_a, cfg.lambda_i, cfg.lambda_l2, self.setting("lambda_l1"), cfg.tau)
+
+    def disjoint_batches(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        labeled_idx: torch.Tensor,
+        unlabeled_idx: torch.Tensor,
+        gen: torch.Generator,
+        device: torch.device,
+    ) -> Any:
+        """``draw(s)``: step ``s``'s batches from ``gen``: a labeled batch alpha(x) with its labels
+        (``x_lab``, ``y_lab``) and an unlabeled batch, unaugmented and RandAugment-ed (``x_plain``,
+        ``x_strong``; its labels under ``TRUTH``, diagnostics only), each where there is data."""
+        cfg, train = self.config, self.train
+        pipeline = InputPipeline(self.data_info, device)
+        b_s, b_u = cfg.labeled_batch_size or train.batch_size, cfg.unlabeled_batch_size or train.batch_size
+        stream_s = BatchStream(labeled_idx, b_s, gen) if labeled_idx.numel() else None
+        stream_u = BatchStream(unlabeled_idx, b_u, gen) if unlabeled_idx.numel() else None
+
+        def draw(s: int) -> dict[str, torch.Tensor]:
+            batch: dict[str, torch.Tensor] = {}
+            if stream_s is not None:
+                b = next(stream_s)
+                batch["x_lab"], batch["y_lab"] = pipeline.weak(images[b], gen), labels[b].to(device)
+            if stream_u is not None:
+                b = next(stream_u)
+                raw = images[b]
+                batch["x_plain"], batch["x_strong"] = pipeline.plain(raw), pipeline.strong(raw, gen)
+                batch[TRUTH] = labels[b]
+            return batch
+
+        return draw
+
     def disjoint_steps(
         self,
         sigma: dict[str, torch.Tensor],
@@ -640,63 +720,15 @@ class FedMatch(GlobalModelAlgorithm):
 
         ``helpers`` are the helpers' full ``psi`` (their models are ``sigma + psi_h`` with the
         ``sigma`` given here, frozen). Returns the new ``sigma``, ``psi`` (on ``device``, not yet
-        thresholded), buffers and step-mean metrics.
+        thresholded), buffers and step-mean metrics (:func:`~fedml_ssfl.algorithms.disjoint.run_disjoint`).
         """
-        cfg, train = self.config, self.train
-        model = self.module(slot, device, buffers)
-        pipeline = InputPipeline(self.data_info, device)
-        names = self.layout().params
-        sig = {n: sigma[n].to(device).clone().requires_grad_(True) for n in names}
-        ps = {n: psi[n].to(device).clone().requires_grad_(True) for n in names}
-        helper_w = [{n: sigma[n].to(device) + h[n].to(device) for n in names} for h in helpers]
-        lam_l1 = self.setting("lambda_l1")
-
-        def sigma_step(s: int) -> Step:  # Eq. 4: sigma learns from labels, psi frozen
-            b = next(stream_s)
-            x = pipeline.weak(images[b], gen)
-            w = {n: sig[n] + ps[n].detach() for n in names}
-            model.train()
-            return Step(cfg.lambda_s * F.cross_entropy(functional_call(model, w, (x,)), labels[b].to(device)))
-
-        def psi_step(s: int) -> Step:  # Eq. 5: psi learns from unlabeled data, sigma frozen
-            b = next(stream_u)
-            raw = images[b]
-            n_b = b.numel()
-            x_plain = pipeline.plain(raw)
-            helper_probs = []
-            if helper_w:  # frozen helpers sigma + psi_h on the unaugmented input
-                model.eval()
-                with torch.no_grad():
-                    helper_probs = [functional_call(model, hw, (x_plain,)).float().softmax(dim=1) for hw in helper_w]
-            x = torch.cat([x_plain, pipeline.strong(raw, gen)])
-            w = {n: sig[n].detach() + ps[n] for n in names}
-            model.train()
-            logits_plain, logits_strong = functional_call(model, w, (x,)).split(n_b)
-            loss_a, loss_i, pl = phi(logits_plain, logits_strong, helper_probs, cfg.tau)  # Eq. 2, 3
-            l2, l1 = psi_regularisers(sig, ps)
-            loss_u = cfg.lambda_a * loss_a + cfg.lambda_i * loss_i + cfg.lambda_l2 * l2 + lam_l1 * l1  # Eq. 5
-            terms = {"loss_agree": loss_a, "loss_kl": loss_i, "l2": l2, "mask_rate": pl.mask_rate}
-            return Step(loss_u, terms, pseudo=pl, truth=labels[b])  # the labels: diagnostics only
-
-        phases = []
-        if labeled_idx.numel():
-            opt_s = torch.optim.SGD(
-                list(sig.values()), lr=train.learning_rate, momentum=cfg.momentum, weight_decay=train.weight_decay
-            )
-            stream_s = BatchStream(labeled_idx, cfg.labeled_batch_size or train.batch_size, gen)
-            phases.append(Phase(opt_s, sigma_step, "loss_s"))
-        if unlabeled_idx.numel():
-            opt_p = torch.optim.SGD(list(ps.values()), lr=train.learning_rate, momentum=cfg.momentum)
-            stream_u = BatchStream(unlabeled_idx, cfg.unlabeled_batch_size or train.batch_size, gen)
-            phases.append(Phase(opt_p, psi_step, "loss_u"))
-        metrics = run_steps(phases, steps, train, round_idx, party)
-        new_buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k in buffers}
-        return (
-            {n: t.detach() for n, t in sig.items()},
-            {n: t.detach() for n, t in ps.items()},
-            new_buffers,
-            metrics,
+        draw = self.disjoint_batches(images, labels, labeled_idx, unlabeled_idx, gen, device)
+        job = DisjointJob(
+            party, sigma, psi, buffers, helpers, draw, steps, bool(labeled_idx.numel()), bool(unlabeled_idx.numel())
         )
+        model = self.module(slot, device, buffers)
+        res = run_disjoint(job, model, self.step_loss(), self.train, self.config.momentum, round_idx)
+        return res.sigma, res.psi, res.buffers, res.metrics
 
     # ---- client ----------------------------------------------------------------------------
     def receive(self, msg: Message, state: dict) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
@@ -723,48 +755,84 @@ class FedMatch(GlobalModelAlgorithm):
             helpers.append({n: view[PSI + n] + densify(msg.weights[prefix + n], lay.shapes[n]) for n in lay.params})
         return view, helpers
 
-    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+    def client_job(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> DisjointJob | Message:
+        """The client's disjoint learning this round as a job, or the reply of a client with nothing to train.
+
+        Applies the message to the client's held copy (:meth:`receive`). Labels-at-client: sigma
+        trains on the client's labels; labels-at-server: never (Algorithm 2). psi trains on its
+        unlabeled data.
+        """
         lay = self.layout()
         view, helpers = self.receive(msg, state)
         train_sigma = self.scenario == "client" and data.num_labeled > 0
         train_psi = data.num_unlabeled > 0
         if not (train_sigma or train_psi):
             return Message(extras={"metrics": {"helpers": float(len(helpers))}})
-        sigma = {n: view[SIGMA + n] for n in lay.params}
-        psi = {n: view[PSI + n] for n in lay.params}
-        buffers = {k: msg.weights[k] for k in lay.buffers if k in msg.weights}
-        new_sigma, new_psi, new_buffers, metrics = self.disjoint_steps(
-            sigma,
-            psi,
-            buffers,
-            helpers,
-            data.images,
-            data.labels,
-            data.labeled_idx if train_sigma else data.labeled_idx[:0],
-            data.unlabeled_idx,
-            self.train.local_steps,
-            ctx.round_idx,
-            ctx.generator(data.client_id),
-            ctx.device,
-            client_party(data.client_id),
+        labeled = data.labeled_idx if train_sigma else data.labeled_idx[:0]
+        gen = ctx.generator(data.client_id)
+        return DisjointJob(
+            party=client_party(data.client_id),
+            sigma={n: view[SIGMA + n] for n in lay.params},
+            psi={n: view[PSI + n] for n in lay.params},
+            buffers={k: msg.weights[k] for k in lay.buffers if k in msg.weights},
+            helpers=helpers,
+            draw=self.disjoint_batches(data.images, data.labels, labeled, data.unlabeled_idx, gen, ctx.device),
+            steps=self.train.local_steps,
+            sigma_steps=train_sigma,
+            psi_steps=train_psi,
         )
+
+    def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        job = self.client_job(msg, data, state, ctx)
+        if isinstance(job, Message):
+            return job
+        model = self.module("client", ctx.device, job.buffers)
+        res = run_disjoint(job, model, self.step_loss(), self.train, self.config.momentum, ctx.round_idx)
+        return self.client_reply(job, res, data)
+
+    def client_updates_stacked(
+        self, work: dict[int, tuple[Message, ClientData, dict]], ctx: ClientContext, max_stack: int = 0
+    ) -> dict[int, Message]:
+        """The round's clients' :meth:`client_update`, their disjoint learning trained together
+        (:func:`~fedml_ssfl.algorithms.disjoint.run_disjoint_stacked`)."""
+        replies: dict[int, Message] = {}
+        jobs: dict[int, DisjointJob] = {}
+        for k, (msg, data, state) in work.items():
+            job = self.client_job(msg, data, state, ctx)
+            if isinstance(job, Message):
+                replies[k] = job
+            else:
+                jobs[k] = job
+        if jobs:
+            model = self.module("client", ctx.device, {})  # the architecture; every tensor is swapped in
+            results = run_disjoint_stacked(
+                list(jobs.values()), model, self.step_loss(), self.train, self.config.momentum, ctx.round_idx, max_stack
+            )
+            for (k, job), res in zip(jobs.items(), results):
+                replies[k] = self.client_reply(job, res, work[k][1])
+        return {k: replies[k] for k in work}
+
+    def client_reply(self, job: DisjointJob, res: DisjointResult, data: ClientData) -> Message:
+        """The sparse deltas of what the client trained (sigma, the hard-thresholded psi) and its buffers."""
+        lay = self.layout()
         c2s = self.setting("c2s_threshold")
         fallback = self.config.dense_fallback
+        metrics = dict(res.metrics)
         weights: dict[str, torch.Tensor] = {}
-        if train_sigma:
+        if job.sigma_steps:
             for n in lay.params:
-                weights[SIGMA + n] = sparsify(new_sigma[n].cpu() - sigma[n], c2s, fallback, owned=True)
-        if train_psi:
+                weights[SIGMA + n] = sparsify(res.sigma[n].cpu() - job.sigma[n], c2s, fallback, owned=True)
+        if job.psi_steps:
             psi_thr = self.setting("psi_threshold")
             kept = total = 0
             for n in lay.params:
-                p = hard_threshold(new_psi[n].cpu(), psi_thr)
+                p = hard_threshold(res.psi[n].cpu(), psi_thr)
                 kept += int((p != 0).sum())
                 total += p.numel()
-                weights[PSI + n] = sparsify(p - psi[n], c2s, fallback, owned=True)
+                weights[PSI + n] = sparsify(p - job.psi[n], c2s, fallback, owned=True)
             metrics["psi_density"] = kept / max(total, 1)
-        for k, v in new_buffers.items():
+        for k, v in res.buffers.items():
             weights[k] = v.cpu()
-        metrics["helpers"] = float(len(helpers))
-        num = (data.num_labeled if train_sigma else 0) + (data.num_unlabeled if train_psi else 0)
+        metrics["helpers"] = float(len(job.helpers))
+        num = (data.num_labeled if job.sigma_steps else 0) + (data.num_unlabeled if job.psi_steps else 0)
         return Message(weights=weights, num_samples=num, extras={"metrics": metrics})

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.nn import functional as F
 
 from .pseudo_label import PseudoLabels
 
@@ -56,15 +55,20 @@ def agreement_pseudo_labels(
     d = local.shape[1]
     confidence, local_arg = local.max(dim=1)
     voters = [local, *(p.detach().to(local.device) for p in helper_probs)]
+    classes = torch.arange(d, device=local.device)
+
+    def one_hot(index: torch.Tensor) -> torch.Tensor:  # F.one_hot reads its values (.item()), which vmap refuses
+        return (index.unsqueeze(1) == classes).to(torch.float64)
+
     votes = torch.zeros_like(local, dtype=torch.float64)
     prob_sum = torch.zeros_like(local, dtype=torch.float64)
     for p in voters:
-        votes += F.one_hot(p.argmax(dim=1), d).to(torch.float64)
+        votes += one_hot(p.argmax(dim=1))
         prob_sum += p.to(torch.float64)
     # Lexicographic key: votes first, then "is the local model's class", then the summed
     # probability (< len(voters) + 1 = step); argmax takes the lowest index among exact ties.
     step = float(len(voters) + 1)
-    local_bonus = F.one_hot(local_arg, d).to(torch.float64) * step
+    local_bonus = one_hot(local_arg) * step
     key = votes * (2.0 * step) + local_bonus + prob_sum
     labels = key.argmax(dim=1)
     return PseudoLabels(labels=labels, confidence=confidence, mask=confidence >= threshold)
