@@ -1,9 +1,11 @@
 """Wall time and result of the default main job, `fedml-ssfl run` with no arguments.
 
 Writes ``benchmarks/results/default_job.json``: wall seconds (whole command, including the
-server-only comparison run), the accuracies of both rows, and the machine. Usage::
+server-only comparison run), the accuracies of both rows, and the machine. ``--set`` passes
+config overrides on (e.g. ``device_args.autocast=bf16``, with ``--out`` naming another file).
+Usage::
 
-    python benchmarks/default_job.py [--threads 1]
+    python benchmarks/default_job.py [--threads 1] [--set SECTION.KEY=VALUE ...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1, as in the config)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "default_job.json"))
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a config override (repeatable)"
+    )
     args = parser.parse_args(argv)
     exe = shutil.which("fedml-ssfl", path=str(Path(sys.executable).parent)) or "fedml-ssfl"
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             "--set",
             f"device_args.num_threads={args.threads}",
         ]
+        for override in args.set:
+            cmd += ["--set", override]
         t0 = time.perf_counter()
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
@@ -51,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             s = json.loads(path.read_text())
             summaries[s["algorithm"]] = {k: s[k] for k in ("final_test_acc", "best_test_acc", "seconds_per_round")}
     out = {
-        "command": "fedml-ssfl run",
+        "command": " ".join(["fedml-ssfl run", *(f"--set {o}" for o in args.set)]),
         "wall_seconds": wall,
         "threads": args.threads,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
