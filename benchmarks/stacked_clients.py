@@ -13,7 +13,8 @@ Rows: ``fedavg_sl`` (supervised, B = 10) and ``fedprox_fixmatch`` (labels-at-cli
 B^U = 10 here) on MNIST-5k with cnn28 (GroupNorm), ``semifl`` (B = 10, cnn28 with BatchNorm) and
 ``fedsiam`` (FedSiam-MT in its MNIST setting: its CNN, B = 10, an EMA target per client) and
 ``fedseal`` (positive and negative batches of 10 from each client's filtered samples) and
-``fedmatch`` (labels-at-client, B^S = 10, B^U = 100, helpers), for each client count.
+``fedmatch`` (labels-at-client, B^S = 10, B^U = 100, helpers), for each client count; by default
+the first two (``--algorithms`` picks others).
 
 Usage::
 
@@ -121,7 +122,13 @@ def max_diff(a: dict, b: dict) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 20, 50])
-    parser.add_argument("--algorithms", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["fedavg_sl", "fedprox_fixmatch"],
+        choices=list(SETTINGS),
+        help="default: fedavg_sl fedprox_fixmatch (the rows of stacked_clients.json)",
+    )
     parser.add_argument(
         "--rounds", type=int, default=3, help="timed rounds (after one warm-up round); the fastest counts"
     )

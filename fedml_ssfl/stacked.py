@@ -32,7 +32,9 @@ included), momentum buffers and batches are stacked along a new leading client d
 ``torch.func.functional_call``) over it, and the SGD step (momentum, Nesterov, weight decay,
 gradient clipping) is written out on the stacked tensors exactly as ``torch.optim.SGD`` and
 ``clip_grad_norm_`` compute it. The learning rate of step ``s`` is Eq. 9's, as in
-:func:`~fedml_ssfl.training.run_steps` (``lr="train"``), unless the job fixes it (``lr``).
+:func:`~fedml_ssfl.training.run_steps` (``lr="train"``), unless the job gives a fixed rate or one
+per step (``lr``). A job's :class:`Follower` is a second stacked set of parameters and buffers,
+updated after each step by :func:`~fedml_ssfl.ssl.ema.ema_update_stacked` with each client's decay.
 Results equal the one-after-another path's up to floating-point summation order (batched
 GroupNorm and linear layers add in another order): about 1e-7 a step, below 1e-6 after the
 tests' rounds (``tests/test_stacked.py``). Over long runs a value within rounding of a ReLU's or
@@ -42,7 +44,8 @@ count moves the one-after-another path by up to 5e-4 alike: ``benchmarks/stacked
 docs/performance.md).
 
 Jobs that cannot share a stack (another batch shape, e.g. a client with fewer samples than the
-batch size; another step count, loss, or set of momentum buffers) are put in separate groups, each
+batch size; another step count, loss, rate, set of momentum buffers, or a follower where the other
+has none) are put in separate groups, each
 trained stacked; nothing is padded or masked, so no step is wasted and none is approximated.
 """
 
@@ -367,7 +370,8 @@ def stack_groups(
     ``firsts`` are the jobs' step-0 batches (their shapes decide). ``max_stack > 0`` splits a
     group into stacks of at most that many jobs (memory; CPU caches); 0: no limit.
     ``signature(job, first)`` is what jobs of one stack must share (for :class:`LocalJob`: steps,
-    optimiser settings, loss, rates, batch and constant shapes).
+    optimiser settings, loss, rates, momentum buffers, whether it has a follower, batch and
+    constant shapes).
     """
     keys: list[tuple] = []
     groups: list[list[int]] = []

@@ -4,9 +4,10 @@ A :class:`DisjointJob` is one party's local training: it starts from ``sigma`` a
 model's weights are ``sigma + psi``; ``torch.func.functional_call`` runs the model on them), holds
 the frozen helpers' ``psi`` and draws step ``s``'s batches with ``draw(s)``. Each local step is a
 sigma step (Eq. 4, psi frozen) on the labeled batch, then a psi step (Eq. 5, sigma frozen) on the
-unlabeled batch, each with its own plain SGD (sigma: ``train_args.weight_decay``; psi: none; both
-FedMatch's ``momentum``) at Eq. 9's rate of Zhang et al. The step losses are one object
-(:class:`DisjointLoss`, FedMatch's equations) that both trainers call:
+unlabeled batch, each with its own SGD (sigma: ``train_args.weight_decay``; psi: none; both with
+FedMatch's ``ssfl_args.momentum``, 0 by default) at Eq. 9's rate of Zhang et al. The step losses
+are one object that both trainers call (the :class:`DisjointLoss` protocol; FedMatch's
+:class:`~fedml_ssfl.algorithms.fedmatch.FedMatchLoss`):
 
 * :func:`run_disjoint`: ``torch.optim.SGD`` through :func:`~fedml_ssfl.training.run_steps`, one
   client after another (and the server's sigma steps in labels-at-server);

@@ -46,11 +46,8 @@ Client update (Sec. 3.1, 3.2)
       (parameters and BatchNorm running statistics); integer buffers are copied from the online
       net. The target runs in train mode without gradient (dropout / batch statistics act as
       part of the perturbation, as in Mean Teacher).
-    * The update is a :class:`~fedml_ssfl.stacked.LocalJob` (:meth:`FedSiam.local_job`): the online
-      net is the trained model, the target its :class:`~fedml_ssfl.stacked.Follower` with each
-      step's alpha, the loss :class:`SiameseLoss` with each step's beta^k, so a round's clients
-      can also train stacked (``train_args.stack_clients``) with the same results up to summation
-      order; the FSM and the upload rule run per client on the result (:meth:`FedSiam.client_reply`).
+    * The update is a :class:`~fedml_ssfl.stacked.LocalJob` (:meth:`FedSiam.local_job`), so a
+      round's clients can also train stacked (``train_args.stack_clients``).
     * FSM (Eq. 10) after local training, per layer ``j``:
       ``FSM[j] = ||theta_t[j] - theta_s[j]|| / ||theta_s[j]||`` (Euclidean norm over all floating
       tensors of the layer; :func:`fsm`). A *layer* is one module of the model: the state keys

@@ -1,9 +1,12 @@
 """Global-model algorithms whose client update is one :class:`~fedml_ssfl.stacked.LocalJob`.
 
 Such an algorithm writes two halves of its client update, :meth:`JobAlgorithm.local_job` (from
-the message, data and state: where the client starts, how it draws its batches, its step loss)
-and :meth:`JobAlgorithm.client_reply` (from the trained result: the reply, and what goes into
-the client's state). The base class joins them two ways with the same halves:
+the message, data and state: where the client starts, how it draws its batches, its step loss; or
+a :class:`~fedml_ssfl.algorithms.base.Message` to reply without training) and
+:meth:`JobAlgorithm.client_reply` (from the trained result: the reply, and what goes into the
+client's state). State that the job itself is built from may be updated in ``local_job`` (FedSEAL's
+self-ensemble); what training produces goes into the state in ``client_reply``. The base class
+joins the halves two ways:
 
 * :meth:`~JobAlgorithm.client_update`: one client, trained by
   :func:`~fedml_ssfl.stacked.run_job` (``torch.optim.SGD``, one step after another);

@@ -38,18 +38,21 @@ def ema_update_stacked(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], alpha
     """:func:`ema_update` of C stacked nets at once, client ``i`` with its own ``alphas[i]``.
 
     ``pairs`` hold tensors with a leading client dimension of size C; ``alphas`` is a float64
-    tensor of shape (C,). Each client's slice gets ``t * alpha + s * (1 - alpha)`` with alpha and
-    ``1 - alpha`` rounded to the tensor's dtype as the scalar path rounds them (alpha = 0 gives
-    ``s`` exactly, the copy); integer buffers are copied.
+    tensor of shape (C,). Each client's slice gets ``t * alpha + s * (1 - alpha)``, equal to the
+    one-client update up to rounding (alpha and ``1 - alpha`` are rounded to the tensor's dtype as
+    there; the multiply-add may round differently); alpha = 0 gives ``s`` exactly, the copy.
+    Integer buffers are copied.
     """
+    factors: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # (alpha, 1 - alpha) per dtype
     for t, s in pairs:
         if not t.is_floating_point():
             t.copy_(s)
             continue
+        if t.dtype not in factors:
+            factors[t.dtype] = alphas.to(t.dtype), (1.0 - alphas).to(t.dtype)
+        keep, take = factors[t.dtype]
         shape = (-1,) + (1,) * (t.ndim - 1)
-        keep = alphas.to(t.dtype).view(shape)
-        take = (1.0 - alphas).to(t.dtype).view(shape)
-        t.mul_(keep).addcmul_(s, take)
+        t.mul_(keep.view(shape)).addcmul_(s, take.view(shape))
 
 
 __all__ = ["ema_pairs", "ema_update", "ema_update_stacked"]
