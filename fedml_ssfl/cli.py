@@ -12,13 +12,13 @@ Every error is one line on stderr, ``fedml-ssfl: error: <what and the fix>``
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
-import os
 import re
 import sys
 from pathlib import Path
 
-from . import __version__
+from . import __version__, envvars
 from .config import ConfigError, ExperimentConfig, load_config
 from .errors import PROG, error_line
 
@@ -151,8 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
+    _add_global_flags(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser(
@@ -234,8 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
         "what", nargs="?", choices=LISTS, metavar="WHAT", help=f"{', '.join(LISTS)} (default: all four)"
     )
     _add_bench_command(sub)
+    for command in sub.choices.values():  # `fedml-ssfl run --debug` as well as `fedml-ssfl --debug run`
+        _add_global_flags(command, argparse.SUPPRESS)
     parser.set_defaults(commands=sub.choices)
     return parser
+
+
+def _add_global_flags(p: argparse.ArgumentParser, default: object) -> None:
+    """``-v`` and ``--debug``: on the top-level parser (``default`` False) and on each subcommand's.
+
+    A subcommand's copies default to ``argparse.SUPPRESS``, so they set the flag only when given there
+    and otherwise leave the top-level value alone.
+    """
+    p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+    p.add_argument("--debug", action="store_true", default=default, help="show the traceback of an unexpected error")
 
 
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:
@@ -302,8 +313,10 @@ def _fedml_launch_flags(args: argparse.Namespace, cfg: ExperimentConfig) -> None
     Without ``--run_id`` the run id is what ``fedml launch`` exports (``FEDML_CURRENT_RUN_ID``), if set.
     """
     run_id = getattr(args, "run_id", None)
-    if run_id is None and os.environ.get("FEDML_CURRENT_RUN_ID", "").strip() and not cfg.common_args.run_id:
-        run_id = os.environ["FEDML_CURRENT_RUN_ID"].strip()
+    if run_id is None and not cfg.common_args.run_id:
+        from .runtime.fedml.launch import RUN_ID_ENV
+
+        run_id = envvars.text(RUN_ID_ENV, max_length=256) or None
     if run_id is not None:
         cfg.common_args.run_id = str(run_id)
     if getattr(args, "using_mlops", False):
@@ -487,6 +500,16 @@ COMMANDS = {
 }
 
 
+def os_error_text(exc: OSError) -> str:
+    """An :class:`OSError` as one line: the file, the system's reason, and for a full disk the fix."""
+    where = exc.filename if exc.filename is not None else ""
+    reason = exc.strerror or str(exc)
+    text = f"{where}: {reason}" if where else reason
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        text += "; free disk space there (or write the outputs elsewhere) and run the command again"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``fedml-ssfl`` entry point; returns the exit status (0 done, 1 failed, 2 usage or config error)."""
     parser = build_parser()
@@ -510,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, RunFailed, FileNotFoundError) as exc:
         print(error_line(str(exc)), file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+    except OSError as exc:  # a file the command could not read or write: a full disk, a permission
+        if args.debug:
+            raise
+        print(error_line(os_error_text(exc)), file=sys.stderr)
+        return 1
     except Exception as exc:  # a bug, or an input no check knows yet: one line unless asked for more
         if args.debug:
             raise

@@ -18,7 +18,8 @@ import difflib
 import hashlib
 import json
 import logging
-import os
+import math
+import re
 import shlex
 import types
 import typing
@@ -28,8 +29,10 @@ from typing import Any
 
 import yaml
 
+from . import envvars
 from .data.partition_methods import METHODS, SCENARIOS, PartitionOptions
 from .errors import ConfigError  # re-exported: raised by every layer, caught by the CLI
+from .limits import MAX_CLASSES
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +232,19 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "comm_args.mode": ("simulation", "deployment"),
 }
 
+MAX_CLIENTS = 1_000_000
+"""The most clients (``train_args.client_num_in_total``) a run may have: the split keeps a list per client."""
+
+MAX_RUN_NAME_BYTES = 200
+"""The longest ``common_args.run_name`` (UTF-8 bytes): a folder name (255 at most) with room for ``-2`` and the
+``.partition.png`` and spill-folder names made from it."""
+
+MAX_IMAGE_SIDE = 4096
+"""The largest height or width of ``data_args.synthetic_shape``."""
+
 # (key, lower bound, upper bound or None, inclusive lower)
 RANGES: list[tuple[str, float, float | None, bool]] = [
+    ("common_args.random_seed", 0, 2**63 - 1, True),
     ("data_args.num_server_labels", 0, None, True),
     ("data_args.num_server_val", 0, None, True),
     ("data_args.non_iid_r", 0.0, 1.0, True),
@@ -245,9 +259,9 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("data_args.rich_label_ratio", 0.0, 1.0, True),
     ("data_args.poor_label_ratio", 0.0, 1.0, True),
     ("data_args.synthetic_num_samples", 1, None, True),
-    ("data_args.synthetic_num_classes", 2, None, True),
-    ("data_args.num_classes", 0, None, True),
-    ("train_args.client_num_in_total", 1, None, True),
+    ("data_args.synthetic_num_classes", 2, MAX_CLASSES, True),
+    ("data_args.num_classes", 0, MAX_CLASSES, True),
+    ("train_args.client_num_in_total", 1, MAX_CLIENTS, True),
     ("train_args.client_num_per_round", 1, None, True),
     ("train_args.comm_round", 1, None, True),
     ("train_args.local_steps", 1, None, True),
@@ -352,6 +366,13 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 5,000-digit number in a message stays one short line)."""
+    big = isinstance(value, int) and value.bit_length() >= 4 * limit  # repr refuses 4,300 digits and more
+    text = f"<a {value.bit_length()}-bit integer>" if big else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def coerce_value(where: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints accepted for floats)."""
     origin = typing.get_origin(tp)
@@ -379,13 +400,18 @@ def coerce_value(where: str, value: Any, tp: Any) -> Any:
             return value
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        number = int(value) if isinstance(value, float) and value.is_integer() else value  # 1e4 is a whole number
+        if isinstance(number, int) and not isinstance(number, bool):
+            if not -(2**63) <= number < 2**63:
+                raise ConfigError(f"{where}: {_short(value)} is out of range; integers here lie within +-2**63")
+            return number
+        raise ConfigError(f"{where}: expected an integer, got {_short(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: {_short(value)} is not a finite number; give a number like 0.03 or 1e-3")
             return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected a number, got {_short(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -424,7 +450,7 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
         high_ok = hi is None or value <= hi
         if not (low_ok and high_ok):
             bound = f"{'>=' if inclusive else '>'} {lo}" + (f" and <= {hi}" if hi is not None else "")
-            raise ConfigError(f"{dotted}: {value!r} is out of range; it must be {bound}")
+            raise ConfigError(f"{dotted}: {_short(value)} is out of range; it must be {bound}")
     t = cfg.train_args
     if t.client_num_per_round > t.client_num_in_total:
         raise ConfigError(
@@ -442,13 +468,22 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
             "tracking_args.enable_wandb / using_mlops must be false: fedml_ssfl runs offline and logs to "
             "TensorBoard and metrics.jsonl instead"
         )
-    if len(cfg.data_args.synthetic_shape) != 3:
-        raise ConfigError("data_args.synthetic_shape: expected [channels, height, width]")
+    shape = cfg.data_args.synthetic_shape
+    if len(shape) != 3 or shape[0] not in (1, 3) or not all(1 <= s <= MAX_IMAGE_SIDE for s in shape[1:]):
+        raise ConfigError(
+            f"data_args.synthetic_shape: {_short(shape)} is not [channels, height, width] with 1 or 3 channels and "
+            f"sides 1..{MAX_IMAGE_SIDE}; e.g. [3, 32, 32]"
+        )
     name = cfg.common_args.run_name
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
         raise ConfigError(
-            f"common_args.run_name: {name!r} must be one folder name inside common_args.output_dir (no '/', "
+            f"common_args.run_name: {_short(name)} must be one folder name inside common_args.output_dir (no '/', "
             "'\\', '..'); put the location into common_args.output_dir"
+        )
+    if len(name.encode("utf-8")) > MAX_RUN_NAME_BYTES:
+        raise ConfigError(
+            f"common_args.run_name: {_short(name, 40)} is {len(name.encode('utf-8'))} bytes long; a folder name may "
+            f"take {MAX_RUN_NAME_BYTES} here: shorten it"
         )
     _check_partition(cfg.data_args)
     if cfg.comm_args.mode == "deployment":
@@ -568,6 +603,103 @@ def _check_stacking(cfg: ExperimentConfig, algo_cls: Any, registry: Any) -> None
 # ---------------------------------------------------------------------------------------------
 # files and overrides
 
+MAX_CONFIG_BYTES = 2**20
+"""The largest config file read (a config is a few KiB; a device or a huge file is refused unread)."""
+
+MAX_NESTING = 16
+"""The deepest YAML nesting a config may have (it has 3: sections, keys, lists)."""
+
+MAX_DIGITS = 40
+"""The most digits a YAML integer may have (no key takes a number beyond 2**63, 19 digits)."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` for configs, with four differences, each refused in one line naming the line.
+
+    * scientific notation without a dot is a number (YAML 1.2 reads ``1e-3`` so; YAML 1.1 a string);
+    * a key given twice in one mapping is refused naming both lines (YAML's last-one-wins is silent);
+    * nesting deeper than :data:`MAX_NESTING` is refused (the parser would recurse out of the stack);
+    * an integer of more than :data:`MAX_DIGITS` digits is refused (Python refuses 4,300 with a traceback).
+    """
+
+    def __init__(self, stream: str, source: str) -> None:
+        super().__init__(stream)
+        self.source = source
+        self.depth = 0
+
+    def _where(self, mark: Any) -> str:
+        return f"{self.source}, line {mark.line + 1}"
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_NESTING:
+                raise ConfigError(
+                    f"{self._where(self.peek_event().start_mark)}: nested more than {MAX_NESTING} levels deep; a "
+                    "config holds sections of keys whose values are numbers, strings or flat lists"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_document(self, node: Any) -> Any:
+        self._check_duplicates(node, "")
+        return super().construct_document(node)
+
+    def _check_duplicates(self, node: Any, path: str) -> None:
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_duplicates(item, f"{path}[{i}]")
+        if not isinstance(node, yaml.MappingNode):
+            return
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = f"{path}.{key}" if path else str(key)
+            if key is not None and key != "<<":
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(
+                        f"{self.source}: key '{dotted}' is given twice, on line {seen[key]} and line {line} (YAML "
+                        "would keep the last one silently); delete one of them"
+                    )
+                seen[key] = line
+            self._check_duplicates(value_node, dotted)
+
+    def construct_yaml_int(self, node: Any) -> int:
+        digits = sum(c.isdigit() for c in node.value)
+        if digits > MAX_DIGITS:
+            raise ConfigError(
+                f"{self._where(node.start_mark)}: an integer of {digits} digits ({node.value[:12]}...); no key takes a "
+                "number beyond 2**63 (19 digits)"
+            )
+        return super().construct_yaml_int(node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """YAML ``text`` as configs read it (:class:`_ConfigLoader`); ``source`` names it in an error.
+
+    Raises
+    ------
+    ConfigError
+        Malformed YAML, a duplicate key, nesting too deep or an integer too long, naming ``source`` and the line.
+    """
+    loader = _ConfigLoader(text, source)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    finally:
+        loader.dispose()
+
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """Parse ``section.key=value`` (value read as YAML) into its three parts."""
@@ -575,7 +707,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train_args.comm_round=5")
     dotted, value = text.split("=", 1)
     section, key = dotted.split(".", 1)
-    return section.strip(), key.strip(), yaml.safe_load(value) if value.strip() else ""
+    return section.strip(), key.strip(), load_yaml(value, f"--set {text!r}") if value.strip() else ""
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -607,10 +739,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             )
         out["ssfl_args"] = {}
     for text, section, key, value in parsed:
-        out.setdefault(section, {})
-        if not isinstance(out[section], dict):
-            raise ConfigError(f"--set {text!r}: section '{section}' is not a mapping")
-        out[section][key] = value
+        _section_of(out, section, f"--set {text!r}")[key] = value
     named = any((section, key) == ("common_args", "run_name") for _, section, key, _ in parsed)
     common = out.get("common_args")
     after = _what_runs(out)
@@ -626,6 +755,18 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
+def _section_of(raw: dict[str, Any], section: str, setter: str) -> dict[str, Any]:
+    """``raw[section]`` to add a key to (made when missing or empty); refused naming the config when not a mapping."""
+    if raw.get(section) is None:  # `train_args:` with nothing under it is an empty section
+        raw[section] = {}
+    if not isinstance(raw[section], dict):
+        raise ConfigError(
+            f"{section}: the config gives it the value {_short(raw[section])}, not a mapping of keys, so {setter} "
+            f"cannot add a key to it; write `{section}:` followed by indented `key: value` lines (or remove it)"
+        )
+    return raw[section]
+
+
 def _what_runs(raw: dict[str, Any]) -> tuple[Any, Any]:
     """(dataset, algorithm) of a raw config mapping, defaults filled in: the parts a derived run name names."""
     data, ssfl = raw.get("data_args"), raw.get("ssfl_args")
@@ -639,14 +780,27 @@ def _what_runs(raw: dict[str, Any]) -> tuple[Any, Any]:
 def load_raw(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file, with clear errors for a missing or malformed file."""
     p = Path(path).expanduser()
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"config file not found: {p} (pass an existing YAML with --cf, or no --cf for the default)")
+    if p.is_dir():
+        raise ConfigError(f"{p} is a folder, not a config file; pass the YAML file (e.g. {p / 'config.yaml'})")
+    if not p.is_file():
+        raise ConfigError(f"{p} is not a regular file (a device, pipe or socket); pass a YAML config file")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        with p.open("rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config ({exc.strerror or exc}); make it readable") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{p}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, not a config (a config is a few KiB); pass the "
+            "YAML config"
+        )
+    try:
+        text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is no part of the YAML
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{p}: not a text file ({exc.reason} at byte {exc.start}); pass a YAML config") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    data = load_yaml(text, str(p))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -672,7 +826,7 @@ def apply_smoke_settings(raw: dict[str, Any], overrides: list[str]) -> dict[str,
     refused. A warning naming the settings is logged (once per process), so a run is never
     shortened silently.
     """
-    text = os.environ.get(SMOKE_ENV, "").strip()
+    text = envvars.text(SMOKE_ENV)
     if not text:
         return raw
     try:
@@ -688,9 +842,7 @@ def apply_smoke_settings(raw: dict[str, Any], overrides: list[str]) -> dict[str,
             raise ConfigError(f"{SMOKE_ENV}: {section}.{key} names the run; set it with --set, not in {SMOKE_ENV}")
         if (section, key) in given or (section == "ssfl_args" and key not in algo_keys):
             continue
-        if not isinstance(out.setdefault(section, {}), dict):
-            raise ConfigError(f"{SMOKE_ENV}: section '{section}' is not a mapping in this config")
-        out[section][key] = value
+        _section_of(out, section, SMOKE_ENV)[key] = value
         applied.append(f"{section}.{key}={value}")
     if text not in _smoke_warned:
         _smoke_warned.add(text)

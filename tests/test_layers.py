@@ -20,7 +20,17 @@ ROOT = "fedml_ssfl"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / ROOT
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("contract", ("fedml_ssfl.contract", "fedml_ssfl.errors", "fedml_ssfl.seeding", "fedml_ssfl.atomic")),
+    (
+        "contract",
+        (
+            "fedml_ssfl.contract",
+            "fedml_ssfl.errors",
+            "fedml_ssfl.envvars",
+            "fedml_ssfl.limits",
+            "fedml_ssfl.seeding",
+            "fedml_ssfl.atomic",
+        ),
+    ),
     (
         "pieces",
         (

@@ -29,6 +29,8 @@ import threading
 import traceback
 from collections.abc import Iterable
 
+from .. import envvars
+
 log = logging.getLogger(__name__)
 
 ALLOW_ENV = "FEDML_SSFL_ALLOW_NETWORK"
@@ -76,7 +78,7 @@ def _record(kind: str, target: str) -> None:
         _state["seen"].add(key)
     if first:
         log.warning("offline guard: refused %s to %s (set %s=1 to allow network use)", kind, target, ALLOW_ENV)
-    path = os.environ.get(RECORD_ENV)
+    path = envvars.file_path(RECORD_ENV)
     if path:
         stack = "".join(traceback.format_stack(limit=12)[:-2])
         with _lock, open(path, "a", encoding="utf-8") as fh:
@@ -113,7 +115,7 @@ def install(allow_hosts: Iterable[str] = ()) -> bool:
 
     Returns False (and does nothing) when ``FEDML_SSFL_ALLOW_NETWORK=1``.
     """
-    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+    if envvars.flag(ALLOW_ENV):
         return False
     for host in allow_hosts:
         host = str(host).strip()

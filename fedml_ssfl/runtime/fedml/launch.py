@@ -10,7 +10,6 @@ import csv
 import dataclasses
 import errno
 import logging
-import os
 import socket
 import warnings
 import zlib
@@ -20,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from ... import envvars
 from ...config import ConfigError, ExperimentConfig
 from ...experiment import Experiment, deployed
 
@@ -27,13 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def _env_seconds(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        return float(value)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={value!r}: expected a number of seconds") from exc
+    """``name``'s seconds (> 0, finite), or ``default`` when unset; anything else is refused naming it."""
+    return envvars.seconds(name, default)
 
 
 def timeouts() -> SimpleNamespace:
@@ -236,12 +231,8 @@ def grpc_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tupl
     world = world_size(cfg)
     if rank is None and role == "server":
         rank = 0
-    elif rank is None and os.environ.get(RANK_ENV, "").strip():
-        text = os.environ[RANK_ENV].strip()
-        try:
-            rank = int(text)
-        except ValueError:
-            raise ConfigError(f"{RANK_ENV}={text!r} is not a rank; pass --rank N") from None
+    elif rank is None:
+        rank = envvars.integer(RANK_ENV, None, minimum=0)
     if rank is None:
         raise ConfigError(
             f"comm_args.backend GRPC: pass --rank N (0 = server, 1..{world - 1} = clients) and --role server|client "

@@ -24,7 +24,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import struct
 import threading
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ... import envvars
 from ...config import ConfigError, ExperimentConfig
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ _CERT_FIX = "make a test CA with deploy/make_test_certs.sh, or point the key at 
 
 def job_key(cfg: ExperimentConfig) -> bytes | None:
     """The job's shared key: ``FEDML_SSFL_JOB_KEY`` if set, else ``comm_args.job_key_file``, else None."""
-    text = os.environ.get(KEY_ENV, "").strip()
+    text = envvars.text(KEY_ENV)
     source = KEY_ENV
     if not text and cfg.comm_args.job_key_file:
         path = Path(cfg.comm_args.job_key_file).expanduser()

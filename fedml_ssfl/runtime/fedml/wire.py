@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ... import envvars
 from ...algorithms.base import Message
 from ...data.silos import SiloMeta
 from . import protocol
@@ -84,11 +84,7 @@ class WireArray:
 
 def max_message_bytes() -> int:
     """The size limit for one message (``FEDML_SSFL_MAX_MESSAGE_BYTES``, default 4 GiB)."""
-    text = os.environ.get(MAX_MESSAGE_ENV, "").strip()
-    try:
-        return int(text) if text else DEFAULT_MAX_MESSAGE_BYTES
-    except ValueError:
-        return DEFAULT_MAX_MESSAGE_BYTES
+    return envvars.nbytes(MAX_MESSAGE_ENV, DEFAULT_MAX_MESSAGE_BYTES, minimum=2**20)
 
 
 # ---- encoding ---------------------------------------------------------------------------------
