@@ -19,20 +19,32 @@ label = argmax, confidence = max, mask = confidence >= threshold[label] (Eq. 9/1
 same model version twice does not count twice. The state is a small ``.npz`` (ids, mean
 probabilities, counts), written atomically.
 
-This module must not import torch (a test runs it where importing torch fails); the only
-optional dependency is Pillow, for image folders.
+Inputs are bounded before anything is decoded: a model file may have :data:`MAX_MODEL_BYTES`; the
+shape and dtype of a ``.npy`` (or of an ``.npz`` member) come from its header, object (pickled)
+arrays are refused unread, and the decoded size must fit :func:`input_budget` (a quarter of the
+memory this process may use); an image file must have the model's size, read from its header, so
+a decompression bomb is refused before its pixels exist. Every refusal is one line naming the file
+and the fix (``edge_label: error: ...``, exit 2; a file that cannot be written, exit 1).
+
+This module must not import torch (a test runs it where importing torch fails) nor fedml_ssfl (it
+is copied to devices alone); the only optional dependency is Pillow, for image folders.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import errno
 import json
+import math
 import os
 import re
+import resource
 import sys
 import tempfile
 import time
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +69,91 @@ OUTPUT_DTYPES = {"probs": "float32", "label": "int64", "confidence": "float32", 
 API has no bool tensor type."""
 
 
+MAX_MODEL_BYTES = 2**31
+"""The largest model file loaded: 2 GiB, the most one ONNX protobuf can hold (checked before onnxruntime reads it)."""
+
+
 class EdgeInputError(ValueError):
     """Input the model cannot take (shape, dtype, channels, thresholds, state file); says what it expects."""
+
+
+def input_budget() -> int:
+    """Bytes one input may decode to: a quarter of the memory this process may use.
+
+    That is the machine's RAM, or the address space an ``RLIMIT_AS`` (``ulimit -v``) leaves, the
+    smaller (the rule of ``fedml_ssfl.limits``, restated here because this file runs alone).
+    """
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        ram = 2**31
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        try:
+            mapped = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            mapped = 0
+        ram = min(ram, max(soft - mapped, 0))
+    return ram // 4
+
+
+def _check_budget(source: Path, what: str, nbytes: int) -> None:
+    budget = input_budget()
+    if nbytes > budget:
+        raise EdgeInputError(f"{source}: {what} would take {nbytes / 2**20:.1f} MiB decoded, more than the "
+                             f"{budget / 2**20:.1f} MiB one input may take here (a quarter of the memory); "
+                             "split it into smaller batches")
+
+
+def _npy_header(fh, size: int, source: Path, key: str) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype a ``.npy`` stream's header declares, checked (no object dtype, data present); nothing decoded."""
+    try:
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"npy format version {version[0]}.{version[1]}")
+        offset = fh.tell()
+    except (ValueError, OSError, EOFError, SyntaxError, zipfile.BadZipFile) as exc:
+        raise EdgeInputError(f"{source}: {key} is not a readable .npy array ({exc}); save it with np.save") from None
+    if dtype.hasobject:
+        raise EdgeInputError(f"{source}: {key} is an object array (pickled Python objects, never loaded); save "
+                             "uint8 images (N, C, H, W) with np.save")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset + nbytes > size:
+        raise EdgeInputError(f"{source}: {key}'s header claims shape {tuple(shape)} of {dtype} ({nbytes} bytes), but "
+                             f"the file holds {size - offset} bytes of data: it is damaged or cut short; save it again")
+    _check_budget(source, f"{key} {tuple(shape)} of {dtype}", nbytes)
+    return tuple(shape), dtype
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    with open(path, "rb") as fh:
+        _npy_header(fh, path.stat().st_size, path, "the array")
+    return np.load(path, allow_pickle=False)
+
+
+def _read_npz(path: Path) -> tuple[np.ndarray, list[str] | None]:
+    """``images`` (or the one array) and the ``ids`` of an ``.npz``, every member's header checked first."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            members = {i.filename[:-4]: i for i in zf.infolist() if i.filename.endswith(".npy")}
+            key = "images" if "images" in members else (next(iter(members)) if len(members) == 1 else None)
+            if key is None:
+                raise EdgeInputError(f"{path}: an .npz needs an 'images' array (found "
+                                     f"{', '.join(members) or 'nothing'})")
+            for name in (key, "ids"):
+                if name in members:
+                    with zf.open(members[name]) as fh:
+                        _npy_header(fh, members[name].file_size, path, f"key {name!r}")
+        with np.load(path, allow_pickle=False) as data:
+            images = data[key]
+            ids = [str(v) for v in data["ids"]] if "ids" in members else None
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise EdgeInputError(f"{path}: not a readable .npz archive ({exc}); save it with np.savez") from None
+    return images, ids
 
 
 @dataclass
@@ -149,6 +244,12 @@ class EdgeLabeler:
         path = Path(model_path)
         if not path.is_file():
             raise EdgeInputError(f"model file {path} does not exist")
+        if path.stat().st_size > MAX_MODEL_BYTES:
+            raise EdgeInputError(f"{path} has {path.stat().st_size / 2**30:.1f} GiB, more than the 2 GiB an ONNX model "
+                                 "file can hold: not an exported edge model; pass the model.onnx / model.ort that "
+                                 "`fedml-ssfl export` wrote")
+        if threads < 0:
+            raise EdgeInputError(f"threads must be >= 0 (0: onnxruntime's own choice), got {threads}")
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if threads:
@@ -164,14 +265,20 @@ class EdgeLabeler:
         if meta.get("format") not in READABLE_FORMATS:
             raise EdgeInputError(f"{path} is not a fedml_ssfl edge model (metadata 'format' is "
                                  f"{meta.get('format')!r}, expected {FORMAT_TAG!r}); export it with mobile_export")
-        _, c, h, w = json.loads(meta["input_shape"])
-        self.info = ModelInfo(
-            path=path, class_names=json.loads(meta["class_names"]), channels=int(c), height=int(h), width=int(w),
-            default_thresholds=[float(v) for v in json.loads(meta["default_thresholds"])],
-            model_version=meta.get("model_version", ""), config_hash=meta.get("config_hash", ""),
-            precision=meta.get("precision", ""), algorithm=meta.get("algorithm", ""), round=int(meta.get("round", -1)),
-            format_version=READABLE_FORMATS[meta["format"]], batch_size=model_batch_size(self.session),
-        )
+        try:
+            _, c, h, w = json.loads(meta["input_shape"])
+            self.info = ModelInfo(
+                path=path, class_names=[str(n) for n in json.loads(meta["class_names"])], channels=int(c),
+                height=int(h), width=int(w),
+                default_thresholds=[float(v) for v in json.loads(meta["default_thresholds"])],
+                model_version=meta.get("model_version", ""), config_hash=meta.get("config_hash", ""),
+                precision=meta.get("precision", ""), algorithm=meta.get("algorithm", ""),
+                round=int(meta.get("round", -1)), format_version=READABLE_FORMATS[meta["format"]],
+                batch_size=model_batch_size(self.session),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise EdgeInputError(f"{path}: its edge metadata is incomplete or damaged ({type(exc).__name__}: {exc}); "
+                                 "export the model again with `fedml-ssfl export`") from None
 
     def thresholds(self, values=None) -> np.ndarray:
         """The model's default thresholds, or ``values`` (one tau for all classes, or one per class)."""
@@ -255,16 +362,11 @@ def load_images(
             raise EdgeInputError("reading an image folder needs the model (for the expected channels and size)")
         return _load_folder(p, labeler.info, convert)
     if p.suffix == ".npy":
-        images = np.load(p, allow_pickle=False)
+        images = _read_npy(p)
         ids = [f"{p.name}#{i}" for i in range(len(images))]
     elif p.suffix == ".npz":
-        with np.load(p, allow_pickle=False) as data:
-            keys = list(data.keys())
-            key = "images" if "images" in keys else (keys[0] if len(keys) == 1 else None)
-            if key is None:
-                raise EdgeInputError(f"{p}: an .npz needs an 'images' array (found {', '.join(keys) or 'nothing'})")
-            images = data[key]
-            ids = [str(v) for v in data["ids"]] if "ids" in keys else [f"{p.name}#{i}" for i in range(len(images))]
+        images, ids = _read_npz(p)
+        ids = ids if ids is not None else [f"{p.name}#{i}" for i in range(len(images))]
         if len(ids) != len(images):
             raise EdgeInputError(f"{p}: 'ids' has {len(ids)} entries for {len(images)} images")
     else:
@@ -279,7 +381,7 @@ def load_images(
 
 def _load_folder(folder: Path, info: ModelInfo, convert: bool) -> tuple[list[str], np.ndarray]:
     try:
-        from PIL import Image
+        import PIL.Image  # noqa: F401  (is Pillow there? _read_image uses it)
     except ImportError as exc:
         raise EdgeInputError(f"reading image files from {folder} needs Pillow (pip install pillow); "
                              f"or pass a .npy/.npz batch of {info.expected}") from exc
@@ -290,22 +392,40 @@ def _load_folder(folder: Path, info: ModelInfo, convert: bool) -> tuple[list[str
     if mode is None:
         raise EdgeInputError(f"image files can feed 1- or 3-channel models; this one takes {info.channels} channels: "
                              f"pass a .npy/.npz batch of {info.expected}")
+    _check_budget(folder, f"{len(files)} images of {info.width}x{info.height}",
+                  len(files) * info.channels * info.height * info.width)
     out = np.empty((len(files), info.channels, info.height, info.width), dtype=np.uint8)
     for i, f in enumerate(files):
-        with Image.open(f) as img:
-            if img.mode == "P" or (img.mode == "1" and mode == "L"):
-                img = img.convert("RGBA" if img.mode == "P" and "transparency" in img.info else mode)
-            if img.mode != mode:
-                if not convert:
-                    raise EdgeInputError(f"{f}: a {img.mode} image ({len(img.getbands())} channels), but the model "
-                                         f"takes {info.expected} ({mode}); pass --convert to convert to {mode}")
-                img = img.convert(mode)
-            if img.size != (info.width, info.height):
-                raise EdgeInputError(f"{f}: {img.size[0]}x{img.size[1]} pixels, but the model takes "
-                                     f"{info.width}x{info.height} ({info.expected}); resize the images first")
-            arr = np.asarray(img, dtype=np.uint8)
-        out[i] = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+        out[i] = _read_image(f, info, mode, convert)
     return [f.relative_to(folder).as_posix() for f in files], out
+
+
+def _read_image(f: Path, info: ModelInfo, mode: str, convert: bool) -> np.ndarray:
+    """One image file as uint8 (C, H, W); its size is checked from the header before any pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size check below refuses it
+            with Image.open(f) as img:
+                if img.size != (info.width, info.height):
+                    raise EdgeInputError(f"{f}: {img.size[0]}x{img.size[1]} pixels, but the model takes "
+                                         f"{info.width}x{info.height} ({info.expected}); resize the images first")
+                if img.mode == "P" or (img.mode == "1" and mode == "L"):
+                    img = img.convert("RGBA" if img.mode == "P" and "transparency" in img.info else mode)
+                if img.mode != mode:
+                    if not convert:
+                        raise EdgeInputError(f"{f}: a {img.mode} image ({len(img.getbands())} channels), but the "
+                                             f"model takes {info.expected} ({mode}); pass --convert to convert to "
+                                             f"{mode}")
+                    img = img.convert(mode)
+                arr = np.asarray(img, dtype=np.uint8)
+    except Image.DecompressionBombError:
+        raise EdgeInputError(f"{f}: more pixels than Pillow opens (a decompression bomb?), but the model takes "
+                             f"{info.width}x{info.height} ({info.expected}); resize the images first") from None
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        raise EdgeInputError(f"{f}: unreadable or corrupt image ({exc}); save it again, or remove it") from None
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,6 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     except EdgeInputError as exc:
         print(f"edge_label: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # an output that cannot be written (a full disk), a file that cannot be read
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "free disk space, or pass --out another folder" if full else "check the path and its permissions"
+        print(f"edge_label: error: {exc.filename or ''}: {exc.strerror or exc}; {fix}", file=sys.stderr)
+        return 1
     print(f"labeled {s['images']} images in {s['seconds']:.3f} s: {s['images_per_second']:.0f} images/s "
           f"({s['precision']} model, batch {s['batch_size']}); {s['passed_threshold']} pass the threshold "
           f"({100 * s['mask_rate']:.1f}%){', self-ensemble' if s['ensemble'] else ''}")

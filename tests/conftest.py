@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +95,96 @@ def one_line_error(err: str, prefix: str) -> str:
     tail = err[err.index(prefix) :]
     assert tail.count("\n") <= 1 and tail.strip(), err
     return tail.strip()
+
+
+BOUND_HEADROOM = 400 * 2**20
+"""How much address space a bounded run (:func:`run_bounded`) may add once its modules are imported."""
+
+
+@dataclass
+class Bounded:
+    """What one call of a :func:`run_bounded` child did: exit status, stderr, and its peak resident growth."""
+
+    code: int
+    err: str
+    peak_growth: int  # bytes of resident memory above the level before the call
+
+
+def run_bounded(preload: list[str], calls: list[str], headroom: int = BOUND_HEADROOM) -> list[Bounded]:
+    """Run each of ``calls`` (Python expressions giving an exit status) in one fresh interpreter under ``RLIMIT_AS``.
+
+    The ``preload`` modules are imported first (torch alone maps 3 GiB of address space); from then on
+    the address space may grow by ``headroom`` bytes at most, so a reader that allocated what a file
+    claims dies of a MemoryError (caught and reported as that call's failure) instead of passing. Each
+    call's stderr is captured, and its peak resident growth measured (``/proc/self/clear_refs`` resets
+    the high-water mark before it).
+    """
+    source = textwrap.dedent(
+        f"""
+        import contextlib, importlib, io, json, resource, sys, traceback
+        for name in {preload!r}:
+            importlib.import_module(name)
+        def status(key):
+            with open("/proc/self/status") as fh:
+                return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key))
+        limit = status("VmSize:") + {headroom}
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        results = []
+        for call in {calls!r}:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            base, err = status("VmRSS:"), io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    code = eval(call)
+                except BaseException:
+                    traceback.print_exc()
+                    code = -1
+            results.append([code, err.getvalue(), status("VmHWM:") - base])
+        print("results " + json.dumps(results))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDML_SSFL_")}
+    root = str(Path(__file__).resolve().parent.parent)
+    env.update(PYTHONPATH=root, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONWARNINGS="ignore")
+    res = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("results ")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    return [Bounded(*r) for r in json.loads(lines[-1][len("results ") :])]
+
+
+def write_png(path: Path, width: int, height: int, cut: int = 0) -> Path:
+    """A grayscale PNG of zeros, compressed as it is written (a 12000x12000 one takes 140 KB and 0.4 s).
+
+    ``cut`` > 0 drops that many bytes from the end: a truncated file whose header is whole.
+    """
+    import struct
+    import zlib
+
+    comp = zlib.compressobj(6)
+    row = b"\0" * (width + 1)  # filter byte + pixels
+    data = b"".join(comp.compress(row) for _ in range(height)) + comp.flush()
+
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    whole = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+    path.write_bytes(whole[: len(whole) - cut])
+    return path
+
+
+def write_npz_member(zf, key: str, shape: tuple[int, ...], dtype: str = "|u1", data_bytes: int | None = None) -> None:
+    """Add ``key.npy`` to an open ``zipfile.ZipFile``: a header declaring ``shape``, then ``data_bytes`` zero bytes
+    (default: what the header declares), streamed so that a member of gigabytes costs no memory."""
+    import numpy as np
+
+    header = {"descr": dtype, "fortran_order": False, "shape": shape}
+    with zf.open(f"{key}.npy", "w", force_zip64=True) as fh:
+        np.lib.format.write_array_header_1_0(fh, header)
+        left = (int(np.prod(shape)) * np.dtype(dtype).itemsize) if data_bytes is None else data_bytes
+        block = bytes(min(left, 2**22))
+        while left > 0:
+            fh.write(block[: min(left, len(block))])
+            left -= len(block)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedml_ssfl.cli import main
+from tests.conftest import run_bounded, write_npz_member, write_png
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,3 +152,173 @@ def test_debug_after_the_subcommand_shows_the_traceback(monkeypatch, capsys):
     for argv in (["run", "--debug"], ["--debug", "run"]):
         with pytest.raises(RuntimeError, match="an unforeseen state"):
             main(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# data files: one value must not exhaust memory (each run under an address-space limit)
+
+PRELOAD = [
+    "fedml_ssfl.cli",
+    "fedml_ssfl.runtime.local",
+    "fedml_ssfl.experiment",
+    "fedml_ssfl.data",
+    "PIL.Image",
+    "PIL.PngImagePlugin",
+]
+
+
+def _npz(path: Path, images: np.ndarray, labels: np.ndarray, **extra) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, images=images, labels=labels, **extra)
+    return path
+
+
+def _pixels(n: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (n, 8, 8), dtype=np.uint8)
+
+
+def _label_1e9(root: Path) -> None:
+    _npz(root / "train.npz", _pixels(3), np.array([0, 1, 10**9]))
+    _npz(root / "test.npz", _pixels(2), np.array([0, 1]))
+
+
+def _label_minus_1_as_uint32(root: Path) -> None:
+    _npz(root / "train.npz", _pixels(3), np.array([0, 1, -1]).astype(np.uint32))
+    _npz(root / "test.npz", _pixels(2), np.array([0, 1]))
+
+
+def _zip_bomb(root: Path) -> None:
+    """256 MiB of zeros in a 260 KB archive (a deflated npz, as np.savez_compressed writes)."""
+    import zipfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(root / "train.npz", "w", zipfile.ZIP_DEFLATED) as zf:
+        write_npz_member(zf, "images", (4096, 256, 256))
+        write_npz_member(zf, "labels", (4096,), "<i8")
+    _npz(root / "test.npz", _pixels(2), np.array([0, 1]))
+
+
+def _header_claims_5_8_tib(root: Path) -> None:
+    import zipfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(root / "train.npz", "w") as zf:
+        write_npz_member(zf, "images", (400_000, 2000, 2000, 4), data_bytes=64)
+        write_npz_member(zf, "labels", (400_000,), "<i8", data_bytes=64)
+    _npz(root / "test.npz", _pixels(2), np.array([0, 1]))
+
+
+def _png_12000(root: Path) -> None:
+    write_png(root / "train" / "a" / "big.png", 12000, 12000)
+    write_png(root / "test" / "a" / "small.png", 8, 8)
+
+
+def _png_400_megapixels(root: Path) -> None:
+    write_png(root / "train" / "a" / "huge.png", 20000, 20000)
+    write_png(root / "test" / "a" / "small.png", 8, 8)
+
+
+MEMORY_CASES = [
+    # (id, dataset, make the files under ROOT, exit status, the error's text)
+    ("a label of 10**9", "npz", _label_1e9, 2, "label 1000000000 appears, but only 3 distinct labels do"),
+    ("-1 saved as uint32", "npz", _label_minus_1_as_uint32, 2, "holds 4294967295, the largest uint32: -1 (unlabeled)"),
+    ("a zip bomb", "npz", _zip_bomb, 2, "would take 256.0 MiB decoded, more than the"),
+    ("a header claiming 5.8 TiB", "npz", _header_claims_5_8_tib, 2, "header claims shape (400000, 2000, 2000, 4)"),
+    ("a 12000x12000 PNG of 140 KB", "folder", _png_12000, 2, "big.png: 12000x12000 pixels; an image here may have"),
+    ("a 400-megapixel PNG", "folder", _png_400_megapixels, 2, "huge.png: more pixels than Pillow opens"),
+]
+
+
+def test_no_data_file_can_exhaust_memory(tmp_path):
+    """`fedml-ssfl run` on each file with 400 MiB of address space to spare: refused from the headers, in one line.
+
+    One child process runs the whole table (importing torch once); each row is its own call.
+    """
+    calls = []
+    for n, (_, dataset, make, _, _) in enumerate(MEMORY_CASES):
+        data = tmp_path / f"data{n}"
+        make(data)
+        argv = ["run", "--set", f"data_args.dataset={dataset}", "--set", f"data_args.data_cache_dir={data}"]
+        argv += ["--set", f"common_args.output_dir={tmp_path / 'runs'}", "--set", "tracking_args.progress_bar=false"]
+        calls.append(f"__import__('fedml_ssfl.cli').cli.main({argv!r})")
+    for (name, _, _, code, expected), res in zip(MEMORY_CASES, run_bounded(PRELOAD, calls)):
+        line = res.err.strip().splitlines()[-1] if res.err.strip() else ""
+        assert res.code == code, (name, res.err[-3000:])
+        assert line.startswith("fedml-ssfl: error: ") and expected in line, (name, res.err[-3000:])
+        assert "Traceback" not in res.err and "MemoryError" not in res.err, (name, res.err[-3000:])
+        assert 0 <= res.peak_growth < 64 * 2**20, (name, res.peak_growth)  # refused before anything was decoded
+
+
+def _test_label_outside_training(root: Path) -> None:
+    _npz(root / "train.npz", _pixels(3), np.array([0, 1, 2]))
+    _npz(root / "test.npz", _pixels(2), np.array([0, 3]))
+
+
+def _named_class_without_training_sample(root: Path) -> None:
+    names = np.array(["ant", "bee", "cat", "dog"])
+    _npz(root / "train.npz", _pixels(3), np.array([0, 1, 2]), class_names=names)
+    _npz(root / "test.npz", _pixels(2), np.array([0, 3]), class_names=names)
+
+
+def _empty_class_folder(root: Path) -> None:
+    write_png(root / "train" / "a" / "x.png", 8, 8)
+    (root / "train" / "b").mkdir(parents=True)
+    write_png(root / "test" / "a" / "y.png", 8, 8)
+
+
+def _truncated_png(root: Path) -> None:
+    write_png(root / "train" / "a" / "cut.png", 64, 64, cut=30)
+    write_png(root / "test" / "a" / "y.png", 64, 64)
+
+
+DATA_CASES = [
+    (
+        "a test label outside the training classes",
+        "npz",
+        _test_label_outside_training,
+        "class 'class_3' (label 3) has no training sample; 1 test sample(s) have it",
+    ),
+    (
+        "a named class without training samples",
+        "npz",
+        _named_class_without_training_sample,
+        "class 'dog' (label 3) has no training sample; 1 test sample(s) have it",
+    ),
+    ("an empty class folder", "folder", _empty_class_folder, "class 'b' (label 1) has no training sample (its folder"),
+    ("a truncated image", "folder", _truncated_png, "cut.png: unreadable or corrupt image"),
+]
+
+
+@pytest.mark.parametrize("dataset, make, expected", [c[1:] for c in DATA_CASES], ids=[c[0] for c in DATA_CASES])
+def test_a_class_without_training_samples_is_named_not_blamed_on_num_server_labels(
+    tmp_path, capsys, dataset, make, expected
+):
+    make(tmp_path / "data")
+    argv = ["run", "--set", f"data_args.dataset={dataset}", "--set", f"data_args.data_cache_dir={tmp_path / 'data'}"]
+    assert main([*argv, "--set", f"common_args.output_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("fedml-ssfl: error: data_args.dataset: ") and expected in line, err
+    assert "num_server_labels" not in line and "Traceback" not in err
+
+
+def test_a_deployed_servers_label_of_1e9_is_refused_without_building_its_classes(tmp_path, capsys):
+    """Deployment mode: without class_names the server's class count comes from the labels present."""
+    data = tmp_path / "data"
+    _npz(data / "server.npz", _pixels(3), np.array([0, 1, 10**9]))
+    _npz(data / "test.npz", _pixels(2), np.array([0, 1]))
+    _npz(data / "silo.npz", _pixels(2), np.array([-1, -1]))
+    sets = {
+        "common_args.training_type": "cross_silo",
+        "comm_args.backend": "MPI",
+        "comm_args.mode": "deployment",
+        "data_args.server_data": data / "server.npz",
+        "data_args.test_data": data / "test.npz",
+        "data_args.local_data": data / "silo.npz",
+        "common_args.output_dir": tmp_path / "runs",
+    }
+    argv = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    assert main(["partition", *argv]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "data_args.server_data: " in line and "label 1000000000 appears, but only 3 distinct labels do" in line, line
+    assert "or set data_args.num_classes" in line

@@ -391,10 +391,14 @@ def test_npz_dataset(tmp_path: Path) -> None:
 
 
 def test_npz_dataset_without_class_names(tmp_path: Path) -> None:
-    np.savez(tmp_path / "train.npz", images=_pixels(4, 6, 6, 3), labels=np.array([0, 1, 4, 1]))
+    """The class count is the number of distinct labels (issue 29), which must number the classes 0..d-1."""
+    np.savez(tmp_path / "train.npz", images=_pixels(4, 6, 6, 3), labels=np.array([0, 1, 2, 1]))
     np.savez(tmp_path / "test.npz", images=_pixels(2, 6, 6, 3), labels=np.array([2, 0]))
     ds = load_dataset("npz", root=tmp_path)
-    assert ds.num_classes == 5 and ds.class_names == [f"class_{k}" for k in range(5)] and ds.in_channels == 3
+    assert ds.num_classes == 3 and ds.class_names == [f"class_{k}" for k in range(3)] and ds.in_channels == 3
+    np.savez(tmp_path / "train.npz", images=_pixels(4, 6, 6, 3), labels=np.array([0, 1, 4, 1]))
+    with pytest.raises(ValueError, match=r"label 4 appears, but only 4 distinct labels do \(no sample has label 3\)"):
+        load_dataset("npz", root=tmp_path)
 
 
 @pytest.mark.parametrize(

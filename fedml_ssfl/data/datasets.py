@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import gzip
 import inspect
+import math
 import pickle
 import re
 import zlib
@@ -33,10 +34,12 @@ import torch
 from fedml_ssfl.data.local_files import (
     DataFormatError,
     LocalImages,
+    class_count,
     read_image_folder,
     read_npz,
 )
 from fedml_ssfl.data.partition import largest_remainder
+from fedml_ssfl.limits import too_large
 from fedml_ssfl.seeding import numpy_rng
 
 DEFAULT_ROOT = "~/.cache/fedml_ssfl/data"
@@ -127,11 +130,29 @@ def _labels(array: np.ndarray | list[int]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.asarray(array).reshape(-1), dtype=np.int64))
 
 
+_STATS_CHUNK = 2**22
+"""Pixels per channel :func:`_channel_stats` widens to int64 at a time (32 MiB)."""
+
+
 def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and std of uint8 images scaled to ``[0, 1]``."""
-    x = images.to(torch.float64).div_(255.0).transpose(0, 1).reshape(images.shape[1], -1)
-    mean = tuple(float(v) for v in x.mean(dim=1))
-    std = tuple(max(float(v), 1e-6) for v in x.std(dim=1))
+    """Per-channel mean and std (unbiased) of uint8 images scaled to ``[0, 1]``.
+
+    Exact integer sums over chunks of images: the working memory is :data:`_STATS_CHUNK` pixels per
+    channel, not a float64 copy of the data set (eight times its size).
+    """
+    n, c = int(images.shape[0]), int(images.shape[1])
+    per_image = int(images[0].numel()) // c if n else 1
+    step = max(_STATS_CHUNK // max(per_image, 1), 1)
+    sums, squares = [0] * c, [0] * c
+    for start in range(0, n, step):
+        x = images[start : start + step].transpose(0, 1).reshape(c, -1).to(torch.int64)
+        for k in range(c):
+            sums[k] += int(x[k].sum())
+            squares[k] += int((x[k] * x[k]).sum())
+    count = n * per_image
+    mean = tuple(s / count / 255.0 for s in sums)
+    var = [(count * q - s * s) / (count * max(count - 1, 1)) for s, q in zip(sums, squares)]
+    std = tuple(max(math.sqrt(max(v, 0.0)) / 255.0, 1e-6) for v in var)
     return mean, std
 
 
@@ -325,6 +346,10 @@ def _load_synthetic(
         raise ValueError(f"data_args.synthetic_shape: expected square [C, H, W], got {list(shape)}")
     if num_classes < 2 or num_samples < 1 or num_test < 1:
         raise ValueError("synthetic dataset needs num_classes >= 2, num_samples >= 1 and num_test >= 1")
+    count = num_samples + num_test  # drawn as float64: 8 bytes a pixel while they are made
+    refusal = too_large(f"{count} synthetic images {list(shape)} (drawn in float64)", count * math.prod(shape) * 8)
+    if refusal:
+        raise ValueError(f"data_args.synthetic_num_samples / synthetic_shape: {refusal}")
     prototypes = _synthetic_prototypes(num_classes, shape, numpy_rng(seed, "synthetic", "prototypes"))
     x_tr, y_tr = _synthetic_split(prototypes, num_samples, noise, numpy_rng(seed, "synthetic", "train"))
     x_te, y_te = _synthetic_split(prototypes, num_test, noise, numpy_rng(seed, "synthetic", "test"))
@@ -375,29 +400,36 @@ def read_idx(path: str | Path) -> np.ndarray:
     ------
     DataFormatError
         A ValueError naming the file: a bad magic number, a size that does not match the header
-        (a truncated file), or a damaged ``.gz``.
+        (a truncated file), a damaged ``.gz``, or a header claiming more than one input may take
+        (:func:`fedml_ssfl.limits.input_limit`; checked before the payload is read).
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            data = f.read()
+            head = f.read(4)
+            if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _IDX_DTYPES:
+                raise DataFormatError(f"{path}: not an IDX file (bad magic number {head.hex()}); {_REDOWNLOAD}")
+            dtype, ndim = _IDX_DTYPES[head[2]], head[3]
+            shape = f.read(4 * ndim)
+            if len(shape) < 4 * ndim:
+                raise DataFormatError(
+                    f"{path}: IDX header cut short ({4 + len(shape)} bytes); the file is truncated: {_REDOWNLOAD}"
+                )
+            dims = tuple(int(v) for v in np.frombuffer(shape, dtype=">i4", count=ndim))
+            nbytes = math.prod(dims) * dtype.itemsize
+            refusal = too_large(f"the IDX array {dims}", nbytes) if min(dims, default=0) >= 0 else "negative sizes"
+            if refusal:
+                raise DataFormatError(f"{path}: {refusal}")
+            data = f.read(nbytes + 1)
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # a truncated or damaged .gz
         raise DataFormatError(f"{path}: not a readable gzip file ({exc}); {_REDOWNLOAD}") from None
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
-        raise DataFormatError(f"{path}: not an IDX file (bad magic number {data[:4].hex()}); {_REDOWNLOAD}")
-    dtype, ndim = _IDX_DTYPES[data[2]], data[3]
-    offset = 4 + 4 * ndim
-    if len(data) < offset:
-        raise DataFormatError(f"{path}: IDX header cut short ({len(data)} bytes); the file is truncated: {_REDOWNLOAD}")
-    dims = tuple(int(v) for v in np.frombuffer(data, dtype=">i4", count=ndim, offset=4))
-    count = int(np.prod(dims)) if dims else 1
-    if len(data) - offset != count * dtype.itemsize:
+    if len(data) != nbytes:
         raise DataFormatError(
-            f"{path}: IDX header says {dims} but the payload has {len(data) - offset} bytes, not "
-            f"{count * dtype.itemsize}; the file is truncated or damaged: {_REDOWNLOAD}"
+            f"{path}: IDX header says {dims} but the payload has {len(data)}{'+' if len(data) > nbytes else ''} "
+            f"bytes, not {nbytes}; the file is truncated or damaged: {_REDOWNLOAD}"
         )
-    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(dims).astype(dtype.newbyteorder("="))
+    return np.frombuffer(data, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="))
 
 
 def _find_idx(folder: Path, stem: str) -> Path | None:
@@ -768,7 +800,11 @@ def _read_local_split(name: str, path: Path, reader: Callable[[Path], LocalImage
 
 
 def _local_class_names(train: LocalImages, test: LocalImages) -> list[str]:
-    """Class names from the data (train's, else test's), else ``class_<k>`` up to the largest label."""
+    """Class names from the data (train's, else test's), else ``class_<k>`` for the distinct labels present.
+
+    Without names the labels of both splits must number the classes ``0..d-1`` (:func:`class_count`):
+    a label of 10**9 is refused, not turned into 10**9 names.
+    """
     if train.class_names and test.class_names and train.class_names != test.class_names:
         raise DataFormatError(
             f"{train.source} and {test.source} list different class_names "
@@ -777,8 +813,26 @@ def _local_class_names(train: LocalImages, test: LocalImages) -> list[str]:
     names = train.class_names or test.class_names
     if names:
         return list(names)
-    top = max(int(train.labels.max()), int(test.labels.max()))
-    return [f"class_{k}" for k in range(top + 1)]
+    d = class_count(torch.cat([train.labels, test.labels]), f"{train.source} and {test.source}")
+    return [f"class_{k}" for k in range(d)]
+
+
+def _check_training_classes(train: LocalImages, test: LocalImages, class_names: list[str]) -> None:
+    """Every class has a training sample: one that has none (an empty class folder, a label only the test set
+    has) is refused naming it, rather than later failing the split on data_args.num_server_labels."""
+    counts = torch.bincount(train.labels, minlength=len(class_names))
+    empty = [k for k in range(len(class_names)) if counts[k] == 0]
+    if not empty:
+        return
+    k = empty[0]
+    in_test = int((test.labels == k).sum())
+    folder = Path(train.source) / class_names[k]
+    where = f" (its folder {folder} holds no image)" if folder.is_dir() else ""
+    also = f"; {in_test} test sample(s) have it" if in_test else ""
+    raise DataFormatError(
+        f"{train.source}: class {class_names[k]!r} (label {k}) has no training sample{where}{also}; every class "
+        "needs training samples: add some, or leave the class out of class_names / the folders and the test set"
+    )
 
 
 def _check_local_shapes(train: LocalImages, test: LocalImages) -> None:
@@ -806,6 +860,7 @@ def _local_dataset(name: str, train: LocalImages, test: LocalImages, flip: bool)
                 f"{split.source}: label {top} but the class names are {class_names}; "
                 "save class_names listing every class in both splits"
             )
+    _check_training_classes(train, test, class_names)
     mean, std = _channel_stats(train.images)
     return ImageDataset(
         name=name,
@@ -825,7 +880,8 @@ def _load_npz(root: Path, download: bool, seed: int, flip: bool = False) -> Imag
     """A user's dataset from ``root/train.npz`` and ``root/test.npz`` (layout: :mod:`.local_files`).
 
     Every sample needs a label; ``num_classes`` is ``len(class_names)`` when the files have them, else
-    the largest label + 1. Mean and std come from the training images.
+    the number of distinct labels (which must then be ``0..d-1``); every class needs a training sample.
+    Mean and std come from the training images.
     """
     layout = "train.npz and test.npz (keys images, labels, optional class_names)"
     train = _read_local_split("npz", root / "train.npz", read_npz, layout)
@@ -836,7 +892,8 @@ def _load_npz(root: Path, download: bool, seed: int, flip: bool = False) -> Imag
 def _load_folder(root: Path, download: bool, seed: int, flip: bool = False) -> ImageDataset:
     """A user's dataset from ``root/train/<class>/<image>`` and ``root/test/<class>/<image>``.
 
-    Class names are train's sorted sub-folder names; a test sub-folder must be one of them.
+    Class names are train's sorted sub-folder names; a test sub-folder must be one of them, and an
+    empty train sub-folder (a class without training images) is refused.
     """
     layout = "train/<class>/<image> and test/<class>/<image>"
     train = _read_local_split("folder", root / "train", read_image_folder, layout)

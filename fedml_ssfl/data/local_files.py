@@ -17,12 +17,22 @@ Four-channel images (RGBA) are accepted only when fully opaque (alpha 255 everyw
 channel is then dropped, which loses nothing. Any transparency is refused, as compositing onto a
 background is a choice the data's owner should make. Every problem raises a one-line
 :class:`DataFormatError` naming the file, the key or image at fault and the fix.
+
+Memory is bounded before anything is decoded: the shape and dtype of each npz member come from its
+``.npy`` header, and each image's size from its file header; their sum must fit
+:func:`fedml_ssfl.limits.input_limit` (``FEDML_SSFL_MAX_INPUT_BYTES``), an image may have at most
+:data:`~fedml_ssfl.limits.MAX_IMAGE_PIXELS` pixels, a member whose header claims more bytes than the
+archive holds for it is refused as damaged, and object (pickled) members are refused unread. Without
+``class_names`` the class count is the number of distinct labels present (they must be ``0..d-1``),
+never the largest label plus one (:func:`class_count`).
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+import math
+import warnings
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +43,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_write
+from ..limits import MAX_CLASSES, MAX_IMAGE_PIXELS, too_large
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +138,40 @@ def _check_label_range(
             )
 
 
+def class_count(labels: np.ndarray | torch.Tensor, source: str | Path) -> int:
+    """The class count of labels that come without class names: the number of distinct labels present.
+
+    Labels number the classes, so the distinct labels (``-1``, unlabeled, left out) must be exactly
+    ``0..d-1``; a gap (a label of 10**9 among three distinct labels, or -1 saved as an unsigned
+    4294967295) is refused, naming the label, instead of making 10**9 classes.
+
+    Raises
+    ------
+    DataFormatError
+        The labels skip a class, or there are more than :data:`~fedml_ssfl.limits.MAX_CLASSES` classes.
+    """
+    values = labels.numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    present = np.unique(values[values >= 0])
+    d = int(present.size)
+    if d and int(present[-1]) >= d:
+        gap = int(np.setdiff1d(np.arange(d), present, assume_unique=True)[0])
+        raise _fail(
+            source,
+            f"label {int(present[-1])} appears, but only {d} distinct labels do (no sample has label {gap}); "
+            f"without class_names the labels must number the classes 0..{d - 1}: renumber them, or save class_names "
+            "listing every class (label k is class_names[k])",
+        )
+    if d > MAX_CLASSES:
+        raise _fail(source, f"{d} classes, more than the {MAX_CLASSES} a dataset may have; check the labels")
+    return d
+
+
 def _check_class_names(names: list[str], source: str | Path, key: str, num_classes: int | None = None) -> None:
-    """Class names must be non-empty, unique and, when ``num_classes`` is given, that many."""
+    """Class names must be non-empty, unique, at most MAX_CLASSES and, when ``num_classes`` is given, that many."""
     if not names:
         raise _fail(source, f"{key} is empty; give one name per class or leave it out")
+    if len(names) > MAX_CLASSES:
+        raise _fail(source, f"{key} lists {len(names)} classes, more than the {MAX_CLASSES} a dataset may have")
     seen: set[str] = set()
     for name in names:
         if name in seen:
@@ -183,6 +224,12 @@ def _npz_labels(array: np.ndarray | None, n: int, source: str | Path) -> np.ndar
         )
     if array.shape != (n,):
         raise _fail(source, f"key 'labels' has shape {array.shape}; expected ({n},), one label per image")
+    if array.dtype.kind == "u" and array.size and int(array.max()) == np.iinfo(array.dtype).max:
+        raise _fail(
+            source,
+            f"key 'labels' holds {int(array.max())}, the largest {array.dtype}: -1 (unlabeled) saved in an unsigned "
+            "dtype? save labels as signed integers: labels.astype(np.int64)",
+        )
     return array.astype(np.int64)
 
 
@@ -256,25 +303,78 @@ def _warn_unknown_keys(keys: list[str], source: Path) -> None:
         log.warning("%s: ignoring key %r%s; the keys read are %s", source, key, hint, ", ".join(NPZ_KEYS))
 
 
+def npy_header(fh: Any, size: int, source: str | Path, key: str) -> tuple[tuple[int, ...], np.dtype, int]:
+    """Shape, dtype and data bytes an ``.npy`` stream's header declares; checked, nothing decoded.
+
+    ``size`` is the stream's length (a zip member's declared size): a header claiming more data than
+    that is refused as damaged, an object (pickled) dtype is refused.
+    """
+    try:
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"npy format version {version[0]}.{version[1]}")
+        offset = fh.tell()
+    except (ValueError, OSError, EOFError, SyntaxError, zipfile.BadZipFile) as exc:
+        raise _fail(
+            source, f"{key} is not a readable .npy array ({exc}); write it again with np.save / np.savez"
+        ) from None
+    if dtype.hasobject:
+        raise _fail(
+            source,
+            f"{key} is an object array (pickled Python objects, never loaded); save plain arrays, e.g. "
+            "np.array(values, dtype=str)",
+        )
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset + nbytes > size:
+        raise _fail(
+            source,
+            f"{key}'s header claims shape {shape} of {dtype} ({nbytes} bytes), but the file holds {size - offset} "
+            "bytes of data: it is damaged or cut short; write it again",
+        )
+    return tuple(shape), dtype, nbytes
+
+
+def _npz_member_sizes(path: Path) -> dict[str, int]:
+    """The decoded bytes of each known member of an npz archive, from the ``.npy`` headers (nothing decoded)."""
+    sizes = {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            members = {info.filename: info for info in zf.infolist()}
+            for key in NPZ_KEYS:
+                info = members.get(f"{key}.npy")
+                if info is None:
+                    continue
+                with zf.open(info) as fh:
+                    sizes[key] = npy_header(fh, info.file_size, path, f"key {key!r}")[2]
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise _fail(path, f"a damaged .npz archive ({exc}); write it again with np.savez") from None
+    return sizes
+
+
 def _load_npz_arrays(path: Path) -> dict[str, np.ndarray]:
-    """The known arrays of an npz archive, without unpickling anything."""
+    """The known arrays of an npz archive, their sizes checked from the headers first; nothing unpickled."""
     if not path.exists():
         raise _fail(path, "file not found; check the path (an .npz written with np.savez)")
     if not path.is_file() or not zipfile.is_zipfile(path):
         raise _fail(path, "not an .npz archive (a zip of .npy arrays); write it with np.savez(path, images=...)")
+    sizes = _npz_member_sizes(path)
+    refusal = too_large(f"its keys {', '.join(sizes)}", sum(sizes.values()))
+    if refusal:
+        raise _fail(path, refusal)
     arrays = {}
-    with np.load(path, allow_pickle=False) as npz:
-        _require_images_key(list(npz.files), path)
-        _warn_unknown_keys(list(npz.files), path)
-        for key in NPZ_KEYS:
-            if key not in npz.files:
-                continue
-            try:
-                arrays[key] = npz[key]
-            except ValueError as exc:  # object arrays need pickle
-                raise _fail(
-                    path, f"key {key!r} is an object array ({exc}); save plain arrays, e.g. np.array(values, dtype=str)"
-                ) from None
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            _require_images_key(list(npz.files), path)
+            _warn_unknown_keys(list(npz.files), path)
+            for key in NPZ_KEYS:
+                if key in npz.files:
+                    arrays[key] = npz[key]
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:  # a bad CRC, a member cut short
+        raise _fail(path, f"a damaged .npz archive ({exc}); write it again with np.savez") from None
     return arrays
 
 
@@ -451,6 +551,54 @@ def _class_index(
     return names
 
 
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) from an image file's header, nothing decoded; refused beyond MAX_IMAGE_PIXELS pixels.
+
+    Raises
+    ------
+    DataFormatError
+        Not an image Pillow knows, or one with more pixels than an image here may have (a 400-megapixel
+        PNG of 140 KB is refused before its pixels exist).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, with the fix
+            with Image.open(path) as img:
+                width, height = img.size
+    except Image.DecompressionBombError:
+        width = height = None
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        raise _fail(path, f"unreadable or corrupt image ({exc}); re-save it or remove it") from None
+    if width is None or width * height > MAX_IMAGE_PIXELS:
+        size = f"{width}x{height} pixels" if width is not None else "more pixels than Pillow opens"
+        raise _fail(
+            path,
+            f"{size}; an image here may have at most {MAX_IMAGE_PIXELS} ({math.isqrt(MAX_IMAGE_PIXELS)}x"
+            f"{math.isqrt(MAX_IMAGE_PIXELS)}): resize the images to the size the model takes",
+        )
+    return width, height
+
+
+def _check_sizes(files: list[Path], root: Path) -> tuple[int, int]:
+    """(width, height) of every image, read from the headers: all alike, their decoded total within the limit."""
+    first = files[0]
+    w1, h1 = image_size(first)
+    for p in files[1:]:
+        w2, h2 = image_size(p)
+        if (w2, h2) != (w1, h1):
+            raise _fail(
+                root,
+                f"images differ in size: {first.relative_to(root)} is {w1}x{h1}, {p.relative_to(root)} is "
+                f"{w2}x{h2} (width x height); resize them all to one size",
+            )
+    refusal = too_large(f"its {len(files)} images of {w1}x{h1} pixels", len(files) * w1 * h1 * 3)
+    if refusal:
+        raise _fail(root, refusal)
+    return w1, h1
+
+
 def _decode(path: Path) -> tuple[np.ndarray, bool]:
     """One image as uint8 ``(H, W, 3)`` pixels and whether it is grayscale."""
     from PIL import Image, UnidentifiedImageError
@@ -473,28 +621,26 @@ def _decode(path: Path) -> tuple[np.ndarray, bool]:
     return rgb, grey
 
 
-def _stack(decoded: list[tuple[Path, np.ndarray, bool]], root: Path) -> np.ndarray:
-    """uint8 ``(N, C, H, W)``: C 1 when every image is grayscale, else 3; mixed kinds or sizes refused."""
-    first_path, first, _ = decoded[0]
-    for p, pixels, _ in decoded[1:]:
-        if pixels.shape[:2] != first.shape[:2]:
-            (h1, w1), (h2, w2) = first.shape[:2], pixels.shape[:2]
-            raise _fail(
-                root,
-                f"images differ in size: {first_path.relative_to(root)} is {w1}x{h1}, {p.relative_to(root)} is "
-                f"{w2}x{h2} (width x height); resize them all to one size",
-            )
-    grey = [p for p, _, g in decoded if g]
-    colour = [p for p, _, g in decoded if not g]
-    if grey and colour:
+def _stack(paths: list[Path], width: int, height: int, root: Path) -> np.ndarray:
+    """uint8 ``(N, C, H, W)``: C 1 when every image is grayscale, else 3; a mix of the two is refused.
+
+    The images are decoded one by one into one array allocated up front (sizes from the headers, checked
+    by :func:`_check_sizes`), so decoding takes the images' bytes and one image more.
+    """
+    out = np.empty((len(paths), 3, height, width), dtype=np.uint8)
+    grey = []
+    for i, path in enumerate(paths):
+        rgb, is_grey = _decode(path)
+        out[i] = rgb.transpose(2, 0, 1)
+        grey.append(is_grey)
+    if any(grey) and not all(grey):
+        g, c = grey.index(True), grey.index(False)
         raise _fail(
             root,
-            f"mixes grayscale ({grey[0].relative_to(root)}) and colour ({colour[0].relative_to(root)}) images; "
+            f"mixes grayscale ({paths[g].relative_to(root)}) and colour ({paths[c].relative_to(root)}) images; "
             "convert them all to one mode (e.g. RGB)",
         )
-    pixels = np.stack([x for _, x, _ in decoded])
-    pixels = pixels[..., :1] if not colour else pixels
-    return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2))
+    return np.ascontiguousarray(out[:, :1]) if all(grey) else out
 
 
 def read_image_folder(
@@ -540,9 +686,10 @@ def read_image_folder(
         files += [(p, names.index(folder.name)) for p in _class_files(folder)]
     if not files:
         raise _fail(root, f"no images found (looked for {', '.join(IMAGE_SUFFIXES)} in it and its sub-folders)")
-    decoded = [(p, *_decode(p)) for p, _ in files]
+    paths = [p for p, _ in files]
+    width, height = _check_sizes(paths, root)  # from the headers, before any pixel is decoded
     return LocalImages(
-        images=torch.from_numpy(_stack(decoded, root)),
+        images=torch.from_numpy(_stack(paths, width, height, root)),
         labels=torch.tensor([label for _, label in files], dtype=torch.int64),
         ids=[p.relative_to(root).as_posix() for p, _ in files],
         class_names=names or None,

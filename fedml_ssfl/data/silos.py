@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from fedml_ssfl.data.datasets import ImageDataset, _channel_stats
-from fedml_ssfl.data.local_files import LocalImages, read_local_images, write_npz
+from fedml_ssfl.data.local_files import LocalImages, class_count, read_local_images, write_npz
 from fedml_ssfl.data.partition import Split
 
 
@@ -117,7 +117,8 @@ def load_server_dataset(
         Paths (npz or image folder) of ``data_args.server_data``, ``test_data`` and the optional
         ``server_val_data``.
     num_classes : int
-        The class count; 0 takes it from the data (class names, else the largest label + 1).
+        The class count; 0 takes it from the data: its class names, else the number of distinct labels
+        (which must then number the classes ``0..d-1``; a label of 10**9 is refused, not made 10**9 classes).
     mean, std : sequence of float
         Per-channel normalisation; empty computes it from the server's labeled images.
     flip : bool
@@ -132,7 +133,10 @@ def load_server_dataset(
     _all_labeled(labeled, "server_data")
     names = labeled.class_names
     if num_classes == 0:
-        num_classes = len(names) if names else int(labeled.labels.max()) + 1
+        try:
+            num_classes = len(names) if names else class_count(labeled.labels, labeled.source)
+        except ValueError as exc:
+            raise SiloDataError(f"data_args.server_data: {exc}; or set data_args.num_classes") from exc
     names = list(names) if names else [str(c) for c in range(num_classes)]
     if len(names) != num_classes:
         raise SiloDataError(
