@@ -153,10 +153,11 @@ def run_bounded(preload: list[str], calls: list[str], headroom: int = BOUND_HEAD
     return [Bounded(*r) for r in json.loads(lines[-1][len("results ") :])]
 
 
-def write_png(path: Path, width: int, height: int, cut: int = 0) -> Path:
+def write_png(path: Path, width: int, height: int, cut: int = 0, palette: bool = False) -> Path:
     """A grayscale PNG of zeros, compressed as it is written (a 12000x12000 one takes 140 KB and 0.4 s).
 
-    ``cut`` > 0 drops that many bytes from the end: a truncated file whose header is whole.
+    ``cut`` > 0 drops that many bytes from the end: a truncated file whose header is whole. ``palette``
+    writes a palette image (Pillow's mode P) instead.
     """
     import struct
     import zlib
@@ -168,9 +169,10 @@ def write_png(path: Path, width: int, height: int, cut: int = 0) -> Path:
     def chunk(tag: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body) & 0xFFFFFFFF)
 
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    header = struct.pack(">IIBBBBB", width, height, 8, 3 if palette else 0, 0, 0, 0)
+    colours = chunk(b"PLTE", b"\x10\x20\x30") if palette else b""
     path.parent.mkdir(parents=True, exist_ok=True)
-    whole = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+    whole = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + colours + chunk(b"IDAT", data) + chunk(b"IEND", b"")
     path.write_bytes(whole[: len(whole) - cut])
     return path
 

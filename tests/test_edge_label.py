@@ -282,3 +282,84 @@ def test_an_output_path_that_is_a_file_is_refused_in_one_line(models, batch, tmp
         line = one_line_error(capsys.readouterr().err, "edge_label: error:")
         assert f"output folder {out} cannot be created ({blocker} is a file, not a folder)" in line, line
     assert blocker.read_text() == "the user's file\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs bounded and named (issue 29): each row under an address-space limit
+
+
+def _object_npy(tmp: Path) -> Path:
+    path = tmp / "objects.npy"
+    np.save(path, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    return path
+
+
+def _npy_claiming_5_tib(tmp: Path) -> Path:
+    path = tmp / "claims.npy"
+    with open(path, "wb") as fh:
+        np.lib.format.write_array_header_1_0(fh, {"descr": "|u1", "fortran_order": False, "shape": (10**10, 1, 8, 8)})
+        fh.write(bytes(64))
+    return path
+
+
+def _npz_bomb(tmp: Path) -> Path:
+    import zipfile
+
+    from tests.conftest import write_npz_member
+
+    path = tmp / "bomb.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        write_npz_member(zf, "images", (4 * 2**20, 1, 8, 8))  # 256 MiB of zeros, 260 KB deflated
+    return path
+
+
+def _png_folder(width: int, height: int, cut: int = 0, palette: bool = False):
+    def make(tmp: Path) -> Path:
+        from tests.conftest import write_png
+
+        write_png(tmp / "photos" / "a.png", 8, 8)
+        write_png(tmp / "photos" / "b.png", width, height, cut=cut, palette=palette)
+        return tmp / "photos"
+
+    return make
+
+
+def _model_of_3_gib(tmp: Path) -> Path:
+    path = tmp / "huge.onnx"
+    with open(path, "wb") as fh:
+        fh.truncate(3 * 2**30)  # sparse: no disk, no memory
+    return path
+
+
+EDGE_CASES = [
+    # (id, make the input, make the model or None (the exported one), exit status, the error's text)
+    ("an object .npy", _object_npy, None, 2, "objects.npy: the array is an object array (pickled Python objects"),
+    ("a .npy claiming 5 TiB", _npy_claiming_5_tib, None, 2, "claims.npy: the array's header claims shape"),
+    ("an npz bomb", _npz_bomb, None, 2, "bomb.npz: key 'images' (4194304, 1, 8, 8) of uint8 would take 256.0 MiB"),
+    ("a 12000x12000 PNG", _png_folder(12000, 12000, palette=True), None, 2, "b.png: 12000x12000 pixels, but the"),
+    ("a 400-megapixel PNG", _png_folder(20000, 20000), None, 2, "b.png: more pixels than Pillow opens"),
+    ("a truncated image", _png_folder(64, 64, cut=30), None, 2, "b.png: 64x64 pixels, but the model takes 8x8"),
+    ("a truncated 8x8 image", _png_folder(8, 8, cut=24), None, 2, "b.png: unreadable or corrupt image"),
+    ("a 3 GiB model file", None, _model_of_3_gib, 2, "huge.onnx has 3.0 GiB, more than the 2 GiB an ONNX model"),
+]
+
+
+def test_no_input_of_the_edge_labeller_can_exhaust_memory(models, batch, tmp_path):
+    """`edge_label.py MODEL INPUT --out DIR` per row, with 400 MiB of address space to spare: one line, exit 2."""
+    from tests.conftest import run_bounded
+
+    calls = []
+    for n, (_, make_input, make_model, _, _) in enumerate(EDGE_CASES):
+        tmp = tmp_path / f"case{n}"
+        tmp.mkdir()
+        source = make_input(tmp) if make_input else batch
+        model = make_model(tmp) if make_model else models["v4"]
+        argv = [str(model), str(source), "--out", str(tmp / "out")]
+        calls.append(f"__import__('mobile_export.edge_label').edge_label.main({argv!r})")
+    preload = ["numpy", "onnxruntime", "PIL.Image", "PIL.PngImagePlugin", "mobile_export.edge_label"]
+    for (name, _, _, code, expected), res in zip(EDGE_CASES, run_bounded(preload, calls)):
+        assert res.code == code, (name, res.err[-3000:])
+        line = res.err.strip()
+        assert line.startswith("edge_label: error: ") and "\n" not in line and expected in line, (name, res.err)
+        assert 0 <= res.peak_growth < 64 * 2**20, (name, res.peak_growth)  # refused before anything was decoded
+    assert not any((tmp_path / f"case{n}" / "out").exists() for n in range(len(EDGE_CASES)))
