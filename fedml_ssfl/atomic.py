@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """Give an :class:`OSError` the block raises without a file name (a full disk at a flush) the name ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror or str(exc), str(path)) from exc
+
+
+class _WriteErrors:
+    """The temporary file as ``write`` sees it, keeping the :class:`OSError` a write raised.
+
+    Some writers hide it: ``torch.save`` turns a full disk into ``RuntimeError: [enforce fail at
+    inline_container.cc] ... unexpected pos``. :func:`atomic_write` raises the kept error instead.
+    """
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # tell, seek, flush ...: the file's own
+        return getattr(self._fh, name)
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], prefix: str | None = None) -> Path:
     """Write ``path`` through ``write(fh)`` into a temporary file beside it, fsync, then rename.
 
     The parent folder is created if needed. If ``write`` raises (or the process is interrupted),
-    the temporary file is removed and ``path`` is untouched.
+    the temporary file is removed and ``path`` is untouched. A write that failed for want of space
+    (or any other :class:`OSError`) is raised as that :class:`OSError`, naming ``path``, even where
+    the writer turned it into another exception.
 
     Parameters
     ----------
@@ -28,8 +64,16 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], prefix: st
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=prefix if prefix is not None else path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
+        with naming(path), os.fdopen(fd, "wb") as fh:  # an error names the file asked for, not the temporary one
+            target = _WriteErrors(fh)
+            try:
+                write(target)  # type: ignore[arg-type]
+            except OSError:
+                raise
+            except Exception as exc:
+                if target.error is None:
+                    raise
+                raise target.error from exc  # the disk's reason, not the writer's wrapping of it
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from . import envvars
+from .atomic import atomic_write
 from .data.partition_methods import METHODS, SCENARIOS, PartitionOptions
 from .errors import ConfigError  # re-exported: raised by every layer, caught by the CLI
 from .limits import MAX_CLASSES
@@ -877,8 +878,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:
-    """Write the resolved config as YAML."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(cfg.to_yaml(), encoding="utf-8")
-    return p
+    """Write the resolved config as YAML, atomically (a full disk leaves no half-written config)."""
+    text = cfg.to_yaml().encode("utf-8")
+    return atomic_write(path, lambda fh: fh.write(text))

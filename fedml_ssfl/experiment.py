@@ -18,6 +18,7 @@ from torch import nn
 from . import seeding
 from .algorithms import registry
 from .algorithms.base import Algorithm, ClientData, DataInfo, ServerData, TrainSettings
+from .atomic import atomic_write
 from .config import ConfigError, ExperimentConfig, partition_options
 from .data import ImageDataset, Split, build_split, load_dataset
 from .data.placement import place_dataset, place_images
@@ -473,5 +474,5 @@ def export_deployment(cfg: ExperimentConfig, out_dir: str | Path, backend: str =
         f"# Deployment of {cfg.common_args.run_name}'s split (seed {cfg.common_args.random_seed}), written by\n"
         "# `fedml-ssfl partition --export`: silo k reads only silo_k.npz, the server only server*.npz and test.npz.\n"
     )
-    path.write_text(header + yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-    return path
+    text = (header + yaml.safe_dump(raw, sort_keys=False)).encode("utf-8")
+    return atomic_write(path, lambda fh: fh.write(text))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from .atomic import atomic_write
 from .tracking import read_metrics, round_axis, round_numbers
 
 if TYPE_CHECKING:
@@ -280,9 +281,8 @@ def accuracy_figure(records: list[RunRecord]) -> Figure:
 
 def plot_accuracy(records: list[RunRecord], out: Path) -> Path:
     """Write :func:`accuracy_figure` to ``out`` (a PNG); returns the path."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    accuracy_figure(records).savefig(out, dpi=110)
-    return out
+    fig = accuracy_figure(records)
+    return atomic_write(out, lambda fh: fig.savefig(fh, format="png", dpi=110))
 
 
 def report_runs(run_dirs: list[Path], out: Path | None = None, include_compare: bool = True) -> str:

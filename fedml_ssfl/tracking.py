@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .atomic import atomic_write, naming
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -290,8 +293,8 @@ def plot_run(run_dir: str | Path, label: str = "", rows: list[dict[str, Any]] | 
         "accuracy.png": accuracy_figure(rows, run_dir.name, label, baseline_rows(run_dir)),
         "bytes.png": bytes_figure(rows, run_dir.name),
     }
-    for name, fig in figures.items():
-        fig.savefig(out / name, dpi=100)
+    for name, fig in figures.items():  # atomically: a full disk keeps the previous plot, never half of one
+        atomic_write(out / name, lambda fh, fig=fig: fig.savefig(fh, format="png", dpi=100))
     return [out / name for name in figures]
 
 
@@ -306,7 +309,28 @@ def _summary_writer(log_dir: Path, purge_step: int | None = None) -> Any:
     except ImportError:
         log.warning("tensorboard is not installed: no TensorBoard events (metrics.jsonl is still written)")
         return None
+    _quiet_event_writer_threads()
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+
+def _quiet_event_writer_threads() -> None:
+    """Keep the traceback of a TensorBoard writer thread whose write failed (a full disk) off stderr.
+
+    The thread hands its :class:`OSError` to the run's thread, which raises it at the next write, flush
+    or close, and the run reports it in one line; the thread then re-raises it, and Python would print
+    its traceback as well. Other threads' errors are printed as before.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "fedml_ssfl_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    hook.fedml_ssfl_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class RunTracker:
@@ -336,6 +360,7 @@ class RunTracker:
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
         self._tb = None
         self._tb_due = tensorboard  # the writer is made at the first event written (see _writer)
+        self.write_failed = False  # set when an output could not be written: close() then makes no writer
         self._purge_step = resume_after + 1 if resume_after is not None else None
         self._config_text: tuple[str, float] | None = None  # (text, wall time) not written yet
 
@@ -377,15 +402,16 @@ class RunTracker:
         """
         row = {k: _clean(v) for k, v in row.items()}
         self.rows.append(row)
-        with self.metrics_path.open("a", encoding="utf-8") as fh:
+        with naming(self.metrics_path), self.metrics_path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
-        writer = self._writer()
-        if writer is not None:
-            step = row["round"]
-            for k, v in row.items():
-                if k != "round" and _number(v):
-                    writer.add_scalar(metric_tag(k), v, step)
-            writer.flush()
+        with naming(self.run_dir / TB_DIR):
+            writer = self._writer()
+            if writer is not None:
+                step = row["round"]
+                for k, v in row.items():
+                    if k != "round" and _number(v):
+                        writer.add_scalar(metric_tag(k), v, step)
+                writer.flush()
 
     def write_hparams(self, config: Mapping[str, Any], summary: Mapping[str, Any]) -> None:
         """The run's hparams (the flattened config) and its final metrics (:data:`FINAL_METRICS`).
@@ -415,13 +441,13 @@ class RunTracker:
         return plot_run(self.run_dir, label, self.rows)
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
-        path = self.run_dir / "summary.json"
-        path.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n", encoding="utf-8")
-        return path
+        """summary.json, written atomically: a full disk leaves the previous one (or none), never half of one."""
+        text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n"
+        return atomic_write(self.run_dir / "summary.json", lambda fh: fh.write(text.encode("utf-8")))
 
     def close(self) -> None:
         """Close the TensorBoard writer (made now when no round was logged, so the config is written)."""
-        if self._tb_due and not self.run_dir.is_dir():  # the run folder went away: re-create nothing in it
+        if self._tb_due and (self.write_failed or not self.run_dir.is_dir()):  # a full disk, a folder gone
             self._tb_due = False
         try:
             writer = self._writer()

@@ -33,6 +33,7 @@ is copied to devices alone); the only optional dependency is Pillow, for image f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import errno
 import json
@@ -95,6 +96,17 @@ def input_budget() -> int:
             mapped = 0
         ram = min(ram, max(soft - mapped, 0))
     return ram // 4
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Give an OSError the block raises without a file name (a full disk at a flush) the name ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
 
 
 def _check_budget(source: Path, what: str, nbytes: int) -> None:
@@ -548,14 +560,14 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
         mask = conf >= thr[label]
         state.save(ensemble_state)
     names = labeler.info.class_names
-    with open(out / "pseudo_labels.csv", "w", newline="", encoding="utf-8") as fh:
+    with _naming(out / "pseudo_labels.csv"), open(out / "pseudo_labels.csv", "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
         extra = ["ensemble_size"] if counts is not None else []
         writer.writerow(["id", "label", "class_name", "confidence", "mask", *extra])
         for i, sid in enumerate(ids):
             row = [sid, int(label[i]), names[label[i]], f"{float(conf[i]):.6f}", int(mask[i])]
             writer.writerow(row + ([int(counts[i])] if counts is not None else []))
-    with open(out / "pseudo_labels.jsonl", "w", encoding="utf-8") as fh:
+    with _naming(out / "pseudo_labels.jsonl"), open(out / "pseudo_labels.jsonl", "w", encoding="utf-8") as fh:
         for i, sid in enumerate(ids):
             rec = {"id": sid, "label": int(label[i]), "class_name": names[label[i]],
                    "confidence": round(float(conf[i]), 6), "mask": bool(mask[i]),
@@ -565,8 +577,9 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
                 rec["model_label"] = int(res["label"][i])
                 rec["model_confidence"] = round(float(res["confidence"][i]), 6)
             fh.write(json.dumps(rec) + "\n")
-    np.savez(out / "pseudo_labels.npz", ids=np.array(ids, dtype=str), label=label, confidence=conf, mask=mask,
-             probs=probs, thresholds=thr)
+    with _naming(out / "pseudo_labels.npz"):
+        np.savez(out / "pseudo_labels.npz", ids=np.array(ids, dtype=str), label=label, confidence=conf,
+                 mask=mask, probs=probs, thresholds=thr)
     seconds = float(res["seconds"])
     n = len(ids)
     return {

@@ -190,3 +190,31 @@ def write_npz_member(zf, key: str, shape: tuple[int, ...], dtype: str = "|u1", d
         while left > 0:
             fh.write(block[: min(left, len(block))])
             left -= len(block)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``mount(size)``: a tmpfs of that size under ``tmp_path`` (a real full disk); ``resize(disk, size)``."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        disk = tmp_path / f"d29disk{len(mounted)}"
+        disk.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "d29disk", str(disk)], capture_output=True)
+        if res.returncode != 0:
+            pytest.skip(f"a full disk here is a small tmpfs, and mounting one needs root ({res.stderr.strip()!r})")
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def resize_disk(disk: Path, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True, capture_output=True)
+
+
+def disk_used(disk: Path) -> int:
+    st = os.statvfs(disk)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize

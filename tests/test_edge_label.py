@@ -363,3 +363,11 @@ def test_no_input_of_the_edge_labeller_can_exhaust_memory(models, batch, tmp_pat
         assert line.startswith("edge_label: error: ") and "\n" not in line and expected in line, (name, res.err)
         assert 0 <= res.peak_growth < 64 * 2**20, (name, res.peak_growth)  # refused before anything was decoded
     assert not any((tmp_path / f"case{n}" / "out").exists() for n in range(len(EDGE_CASES)))
+
+
+def test_a_full_disk_under_the_outputs_is_one_line_naming_the_file(models, batch, small_disk, capsys):
+    disk = small_disk("8k")
+    assert el.main([str(models["v4"]), str(batch), "--out", str(disk / "labels")]) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"edge_label: error: {disk / 'labels' / 'pseudo_labels.'}") and "\n" not in line, line
+    assert line.endswith(": No space left on device; free disk space, or pass --out another folder"), line

@@ -8,13 +8,14 @@ whose input could exhaust memory run in a subprocess under an address-space limi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fedml_ssfl.cli import main
-from tests.conftest import run_bounded, write_npz_member, write_png
+from tests.conftest import disk_used, resize_disk, run_bounded, write_npz_member, write_png
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -322,3 +323,73 @@ def test_a_deployed_servers_label_of_1e9_is_refused_without_building_its_classes
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "data_args.server_data: " in line and "label 1000000000 appears, but only 3 distinct labels do" in line, line
     assert "or set data_args.num_classes" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# a full disk: one line, and a `failed` summary where one can be written
+
+
+def _sets(*items: str) -> list[str]:
+    return [x for item in items for x in ("--set", item)]
+
+
+def test_a_full_disk_at_the_second_checkpoint_is_one_line_a_failed_summary_and_resumable(
+    small_disk, capsys, monkeypatch
+):
+    """The issue's case: torch.save's `RuntimeError: [enforce fail at inline_container.cc]`, no summary.json."""
+    import fedml_ssfl.runtime.local as local
+    from fedml_ssfl.checkpoint import load_checkpoint
+    from tests.conftest import SMALL
+
+    disk = small_disk("64m")
+    run_dir, real = disk / "digits_semifl", local.run_round
+    ckpt = run_dir / "checkpoints" / "last.pt"
+
+    def run_round(exp, r, client_states):
+        row = real(exp, r, client_states)
+        if r == 1:  # round 2's outputs come next: leave room for its metrics, not for a second checkpoint
+            resize_disk(disk, disk_used(disk) + ckpt.stat().st_size // 2)
+        return row
+
+    monkeypatch.setattr(local, "run_round", run_round)
+    args = _sets(*SMALL, f"common_args.output_dir={disk}")  # 2 rounds, a checkpoint after each
+    assert main(["run", *args]) == 1
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert f"round 2: cannot write in the run folder {run_dir}: {ckpt}: No space left on device" in line, err
+    assert f"last good checkpoint: {ckpt}" in line and f"`fedml-ssfl run --resume {run_dir}`" in line
+    assert "Traceback" not in err and "RuntimeError" not in err and "please report it" not in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] in line and summary["rounds_completed"] == 2
+    assert load_checkpoint(ckpt)["round"] == 0 and not list(ckpt.parent.glob("*.tmp"))  # nothing saved was lost
+    monkeypatch.undo()
+    resize_disk(disk, 64 * 2**20)  # space freed: the run continues where it stopped
+    assert main(["run", *args, "--resume", str(run_dir)]) == 0
+    assert load_checkpoint(ckpt)["round"] == 1
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("size", ["4k", "8k"])
+def test_a_disk_too_small_for_the_first_round_is_one_line_naming_the_file(small_disk, capsys, size):
+    from tests.conftest import SMALL
+
+    disk = small_disk(size)
+    assert main(["run", *_sets(*SMALL, f"common_args.output_dir={disk}")]) == 1
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("fedml-ssfl: error: ") and "Traceback" not in err and "please report it" not in err, err
+    assert f"cannot write in the run folder {disk / 'digits_semifl'}: {disk / 'digits_semifl'}/" in line, line
+    assert "No space left on device" in line and "(summary.json was not written: " in line, line
+
+
+def test_a_full_disk_under_the_heat_map_is_one_line_naming_it(small_disk, capsys):
+    disk = small_disk("4k")
+    (disk / "filler").write_bytes(b"x" * 4096)
+    out = disk / "split.png"
+    assert main(["partition", "--set", "data_args.dataset=digits", "--out", str(out)]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        f"fedml-ssfl: error: {out}: No space left on device; free disk space there (or write the outputs elsewhere) "
+        "and run the command again"
+    )
+    assert not out.exists() and not list(disk.glob("*.tmp"))

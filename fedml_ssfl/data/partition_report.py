@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedml_ssfl.atomic import atomic_write
 from fedml_ssfl.data.partition import Split
 
 
@@ -129,7 +130,4 @@ def save_partition_heatmap(split: Split, labels: torch.Tensor, path: str | Path,
         ax.set_ylabel("client")
         head = f"{title}  ({measured})" if title else measured
         ax.set_title(f"{head}\n{name}" if name else head)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    return path
+    return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=100, bbox_inches="tight"))

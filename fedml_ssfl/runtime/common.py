@@ -544,7 +544,8 @@ class RunRecorder:
         """The :class:`RunFailed` for an output that could not be written: names the path and the fix.
 
         Nothing already saved is touched: the checkpoint is replaced atomically, so the last good one
-        stays, and a run folder replaced by a file is left alone.
+        stays, and a run folder replaced by a file is left alone. A ``failed`` summary.json is written
+        where it can be (a full disk has room again once the interrupted write's temporary file is gone).
         """
         lost = self._run_dir_lost()
         if lost:
@@ -553,32 +554,45 @@ class RunRecorder:
                 f"was written; put the run folder back and continue with `fedml-ssfl run --resume {self.run_dir}`, "
                 "or start a new run"
             )
-        reason = folder_error(exc.filename or self.run_dir, exc)
+        self.tracker.write_failed = True
+        target = Path(exc.filename) if exc.filename else self.run_dir
+        where = f"in the run folder {self.run_dir}"
+        if target != self.run_dir and self.run_dir not in target.parents:  # e.g. device_args.state_spill_dir
+            where = f"{target} (outside the run folder {self.run_dir})"
+        reason = folder_error(target, exc)
         kept = self.ckpt_path if self.ckpt_path.is_file() else "none yet"
-        return RunFailed(
-            f"{when}: cannot write in the run folder {self.run_dir}: {reason}; outputs already saved are intact "
-            f"(last good checkpoint: {kept}): once that is fixed (or disk space freed), continue with "
-            f"`fedml-ssfl run --resume {self.run_dir}`"
+        text = (
+            f"{when}: cannot write {where}: {reason}; outputs already saved are intact (last good checkpoint: "
+            f"{kept}): once that is fixed (or disk space freed), continue with `fedml-ssfl run --resume "
+            f"{self.run_dir}`"
         )
+        return RunFailed(text + self._failed_summary(text))
 
-    def fail(self, error: BaseException | str) -> RunFailed:
-        """Write a ``failed`` summary; return the :class:`RunFailed` to raise (names the checkpoint).
-
-        When the summary cannot be written (the run folder is gone), the error says so.
-        """
+    def _failed_summary(self, error: str) -> str:
+        """Write summary.json with status ``failed``; "" when written, else why not (for the error line)."""
         try:
             self._check_run_dir()
             self.tracker.write_summary(
                 {
                     "status": "failed",
-                    "error": str(error),
+                    "error": error,
                     "run_dir": str(self.run_dir),
                     "rounds_completed": len(self.tracker.rows),
                     "wall_seconds": self.wall_seconds(),
                 }
             )
         except OSError as exc:
-            return RunFailed(f"{error} (summary.json was not written: {exc})")
+            return f" (summary.json was not written: {exc})"
+        return ""
+
+    def fail(self, error: BaseException | str) -> RunFailed:
+        """Write a ``failed`` summary; return the :class:`RunFailed` to raise (names the checkpoint).
+
+        When the summary cannot be written (the run folder is gone), the error says so.
+        """
+        unwritten = self._failed_summary(str(error))
+        if unwritten:
+            return RunFailed(f"{error}{unwritten}")
         kept = self.ckpt_path if self.ckpt_path.exists() else "none yet"
         return RunFailed(f"{error} Last good checkpoint: {kept}")
 
