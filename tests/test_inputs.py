@@ -9,6 +9,7 @@ whose input could exhaust memory run in a subprocess under an address-space limi
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -393,3 +394,76 @@ def test_a_full_disk_under_the_heat_map_is_one_line_naming_it(small_disk, capsys
         "and run the command again"
     )
     assert not out.exists() and not list(disk.glob("*.tmp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# a GRPC job's files: each named for what is wrong with it, not as a port in use
+
+
+def _grpc_job(tmp: Path, *, ip: str = "127.0.0.1", bom: bool = False) -> tuple[Path, list[str]]:
+    """A 2-process GRPC job's ipconfig and test certificates (deploy/make_test_certs.sh) as --set items."""
+    certs = tmp / "certs"
+    script = ROOT / "deploy" / "make_test_certs.sh"
+    subprocess.run(["bash", str(script), str(certs), "2"], check=True, timeout=60, capture_output=True)
+    ipconfig = tmp / "ipconfig.csv"
+    text = f"eid,rank,grpc_server_ip,grpc_server_port\n0,0,{ip},18990\n1,1,127.0.0.1,18991\n"
+    ipconfig.write_bytes(("\ufeff" if bom else "").encode() + text.encode())
+    return certs, [
+        "common_args.training_type=cross_silo",
+        "comm_args.backend=GRPC",
+        f"comm_args.grpc_ipconfig_path={ipconfig}",
+        "train_args.client_num_in_total=1",
+        "train_args.client_num_per_round=1",
+        f"comm_args.tls_ca={certs / 'ca.pem'}",
+        f"comm_args.tls_cert={certs / 'rank{rank}.pem'}",
+        f"comm_args.tls_key={certs / 'rank{rank}.key'}",
+        f"comm_args.job_key_file={certs / 'job.key'}",
+        f"common_args.output_dir={tmp / 'runs'}",
+    ]
+
+
+def test_a_grpc_jobs_bad_files_are_named_before_any_port_is_bound(tmp_path, capsys):
+    certs, job = _grpc_job(tmp_path)
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    (tmp_path / "bad.pem").write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    cases = [
+        (
+            [f"comm_args.tls_ca={tmp_path / 'junk.pem'}"],
+            f"comm_args.tls_ca: {tmp_path / 'junk.pem'} holds no PEM certificate",
+        ),
+        (
+            [f"comm_args.tls_ca={tmp_path / 'bad.pem'}"],
+            f"comm_args.tls_ca: {tmp_path / 'bad.pem'} is not a certificate OpenSSL can read",
+        ),
+        (
+            [f"comm_args.tls_cert={certs / 'rank0.key'}", f"comm_args.tls_key={certs / 'rank0.pem'}"],
+            f"comm_args.tls_cert {certs / 'rank0.key'} holds a private key and comm_args.tls_key "
+            f"{certs / 'rank0.pem'} a certificate: the two are swapped",
+        ),
+        (
+            [f"comm_args.tls_key={certs / 'rank1.key'}"],
+            f"comm_args.tls_key {certs / 'rank1.key'} is not the private key of comm_args.tls_cert "
+            f"{certs / 'rank0.pem'}",
+        ),
+    ]
+    for extra, expected in cases:
+        assert main(["run", *_sets(*job, *extra), "--rank", "0"]) == 2, extra
+        err = capsys.readouterr().err
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("fedml-ssfl: error: ") and expected in line, err
+        assert "in use" not in line and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # refused before a run folder was made
+
+
+def test_an_ipconfig_address_that_is_no_address_is_named_and_a_byte_order_mark_is_no_header(tmp_path, capsys):
+    from fedml_ssfl.runtime.fedml.launch import read_ipconfig
+
+    _, job = _grpc_job(tmp_path, ip="999.1.1.1")
+    assert main(["run", *_sets(*job), "--rank", "0"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "ipconfig.csv: rank 0's grpc_server_ip '999.1.1.1' is not an IP address or a host name" in line, line
+    _grpc_job(tmp_path / "bom", bom=True)
+    table = read_ipconfig(tmp_path / "bom" / "ipconfig.csv")
+    assert table == {0: ("127.0.0.1", 18990), 1: ("127.0.0.1", 18991)}
+    _grpc_job(tmp_path / "named", ip="silo-0.example.org")
+    assert read_ipconfig(tmp_path / "named" / "ipconfig.csv")[0] == ("silo-0.example.org", 18990)

@@ -9,7 +9,9 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import ipaddress
 import logging
+import re
 import socket
 import warnings
 import zlib
@@ -92,7 +94,7 @@ def read_ipconfig(path: str | Path, run_id: str = "") -> dict[int, tuple[str, in
             f"comm_args.grpc_ipconfig_path: {p} not found; GRPC needs a CSV with columns "
             "eid,rank,grpc_server_ip[,grpc_server_port] (see deploy/ipconfig.csv)"
         )
-    with p.open(newline="", encoding="utf-8") as fh:
+    with p.open(newline="", encoding="utf-8-sig") as fh:  # a UTF-8 byte-order mark is no part of the header
         rows = list(csv.DictReader(fh))
     need = {"eid", "rank", "grpc_server_ip"}
     if not rows or not need <= set(rows[0]):
@@ -109,8 +111,28 @@ def read_ipconfig(path: str | Path, run_id: str = "") -> dict[int, tuple[str, in
             raise ConfigError(f"{p}: row with eid {eid} has rank {rank}; use eid = rank (0 = server)")
         if not 1 <= port <= 65535:
             raise ConfigError(f"{p}: rank {rank}'s grpc_server_port {port} is not a TCP port; use 1..65535")
-        table[rank] = (row["grpc_server_ip"].strip(), port)
+        table[rank] = (_address(row["grpc_server_ip"], p, rank), port)
     return table
+
+
+_HOST_NAME = re.compile(r"(?=.{1,253}$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _address(text: str | None, path: Path, rank: int) -> str:
+    """An ipconfig row's ``grpc_server_ip``: an IP address or a host name (999.1.1.1 is neither)."""
+    address = (text or "").strip()
+    try:
+        ipaddress.ip_address(address)
+        return address
+    except ValueError:
+        pass
+    numeric = re.fullmatch(r"[0-9.]+", address) is not None  # dotted numbers are meant as IPv4: they must be one
+    if numeric or not _HOST_NAME.fullmatch(address):
+        raise ConfigError(
+            f"{path}: rank {rank}'s grpc_server_ip {address!r} is not an IP address or a host name; give the "
+            "address of the machine that runs the rank, e.g. 10.0.0.2"
+        )
+    return address
 
 
 def gpu_for_rank(mapping_file: str | Path, key: str, rank: int, world: int) -> int:

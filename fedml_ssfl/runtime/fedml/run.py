@@ -41,6 +41,7 @@ from .security import (
     membership,
 )
 from .server import DeployedServerRuntime, ServerRuntime
+from .tls_files import check_tls_files
 from .wire import WireMeter
 from .worker import ClientWorker, SiloWorker
 
@@ -91,6 +92,7 @@ def run_fedml(
         rank, table = grpc_rank(cfg, rank, role)
         peers = [ip for ip, _ in table.values()]
         security = load_security(cfg, rank)
+        check_tls_files(cfg, rank)  # a junk or swapped PEM named here, not as a port in use at the bind
         check_port_free(rank, *table[rank])
     claimed = None  # a new run folder: removed on an error before anything was written into it
     try:

@@ -91,8 +91,13 @@ class JobSecurity:
         return self.tls is None
 
 
+def pem_path(path: str, rank: int) -> Path:
+    """A TLS file's path for ``rank``: ``{rank}`` in it replaced, ``~`` expanded."""
+    return Path(path.replace("{rank}", str(rank))).expanduser()
+
+
 def _read(cfg_key: str, path: str, rank: int) -> bytes:
-    p = Path(path.replace("{rank}", str(rank))).expanduser()
+    p = pem_path(path, rank)
     try:
         data = p.read_bytes()
     except OSError as exc:

@@ -84,7 +84,7 @@ class WireArray:
 
 def max_message_bytes() -> int:
     """The size limit for one message (``FEDML_SSFL_MAX_MESSAGE_BYTES``, default 4 GiB)."""
-    return envvars.nbytes(MAX_MESSAGE_ENV, DEFAULT_MAX_MESSAGE_BYTES, minimum=2**20)
+    return envvars.nbytes(MAX_MESSAGE_ENV, DEFAULT_MAX_MESSAGE_BYTES)
 
 
 # ---- encoding ---------------------------------------------------------------------------------
