@@ -440,6 +440,24 @@ def _to_ort(report: ExportReport, onnx_path: Path, ort_path: Path) -> Path:
                     f"ORT-format conversion for {ort_path.name} failed: {_first_line(exc)}")
 
 
+MAX_ONNX_BYTES = 2**31 - 2**20
+"""The weights one ONNX file can hold: protobuf's 2 GiB, less 1 MiB for the graph and metadata."""
+
+
+def check_onnx_size(model: nn.Module) -> int:
+    """The bytes of ``model``'s weights (parameters and buffers); refused beyond :data:`MAX_ONNX_BYTES`.
+
+    Checked before exporting: an ONNX file over 2 GiB cannot be written in one piece, and the
+    exporters fail on it deep inside protobuf. An edge model is megabytes.
+    """
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if nbytes > MAX_ONNX_BYTES:
+        raise ExportError(f"the model's weights take {nbytes / 2**30:.2f} GiB, more than the 2 GiB one ONNX file can "
+                          "hold (protobuf's limit); export a smaller model for the edge")
+    return nbytes
+
+
 def check_batch_size(batch_size) -> int | None:
     """The ``.ort`` batch: an int >= 1, or None for 0 (a dynamic batch).
 
@@ -563,6 +581,7 @@ def export_model(
     report = ExportReport(out_dir=str(out), source=dict(source or {}), metadata=meta.props("float32"))
     timer = time.perf_counter()
 
+    check_onnx_size(model)  # before .to("cpu"): a model on the meta device stays unallocated
     model = model.to("cpu").eval()
     edge = EdgeModel(model, meta.mean, meta.std).eval()
     onnx_path = out / "model.onnx"

@@ -467,3 +467,16 @@ def test_an_ipconfig_address_that_is_no_address_is_named_and_a_byte_order_mark_i
     assert table == {0: ("127.0.0.1", 18990), 1: ("127.0.0.1", 18991)}
     _grpc_job(tmp_path / "named", ip="silo-0.example.org")
     assert read_ipconfig(tmp_path / "named" / "ipconfig.csv")[0] == ("silo-0.example.org", 18990)
+
+
+def test_a_model_too_large_for_one_onnx_file_is_refused_before_export(tmp_path):
+    """3 GiB of weights (on the meta device: nothing allocated) cannot be one ONNX file; named before exporting."""
+    import torch
+
+    from mobile_export.export import EdgeMetadata, ExportError, export_model
+
+    big = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3 * 2**22, device="meta"))
+    meta = EdgeMetadata(class_names=["a", "b"], mean=[0.5], std=[0.5], in_channels=1, image_size=8, thresholds=[0.9])
+    with pytest.raises(ExportError, match=r"the model's weights take 3\.05 GiB, more than the 2 GiB one ONNX file"):
+        export_model(big, tmp_path / "edge", meta, test_images=np.zeros((2, 1, 8, 8), np.uint8), quantize=False)
+    assert not (tmp_path / "edge" / "model.onnx").exists()
