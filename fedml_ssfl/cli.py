@@ -275,6 +275,8 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
+    if args.threads < 0:
+        raise ConfigError(f"--threads {args.threads}: give a number of torch threads >= 1, or 0 for torch's default")
     opts = {k: getattr(args, k) for k in ("rounds", "warmup", "threads", "profile")}
     cfg = load_config(_config_path(args), args.overrides)
     return run_bench(cfg, args.variants, args.json, reference_repeats=args.repeats, **opts)

@@ -480,3 +480,9 @@ def test_a_model_too_large_for_one_onnx_file_is_refused_before_export(tmp_path):
     with pytest.raises(ExportError, match=r"the model's weights take 3\.05 GiB, more than the 2 GiB one ONNX file"):
         export_model(big, tmp_path / "edge", meta, test_images=np.zeros((2, 1, 8, 8), np.uint8), quantize=False)
     assert not (tmp_path / "edge" / "model.onnx").exists()
+
+
+def test_a_negative_thread_count_is_named(capsys):
+    assert main(["bench", "--threads", "-2"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == "fedml-ssfl: error: --threads -2: give a number of torch threads >= 1, or 0 for torch's default"
