@@ -220,14 +220,37 @@ def _png_400_megapixels(root: Path) -> None:
     write_png(root / "test" / "a" / "small.png", 8, 8)
 
 
+def _deployed_server_label_1e9(root: Path) -> list[str]:
+    """Deployment mode: without class_names the server's class count comes from the labels present."""
+    _npz(root / "server.npz", _pixels(3), np.array([0, 1, 10**9]))
+    _npz(root / "test.npz", _pixels(2), np.array([0, 1]))
+    _npz(root / "silo.npz", _pixels(2), np.array([-1, -1]))
+    sets = {
+        "common_args.training_type": "cross_silo",
+        "comm_args.backend": "MPI",
+        "comm_args.mode": "deployment",
+        "data_args.server_data": root / "server.npz",
+        "data_args.test_data": root / "test.npz",
+        "data_args.local_data": root / "silo.npz",
+    }
+    return ["partition", *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
+
+
 MEMORY_CASES = [
-    # (id, dataset, make the files under ROOT, exit status, the error's text)
+    # (id, dataset (None: the maker returns the command), make the files under ROOT, exit status, the error's text)
     ("a label of 10**9", "npz", _label_1e9, 2, "label 1000000000 appears, but only 3 distinct labels do"),
     ("-1 saved as uint32", "npz", _label_minus_1_as_uint32, 2, "holds 4294967295, the largest uint32: -1 (unlabeled)"),
     ("a zip bomb", "npz", _zip_bomb, 2, "would take 256.0 MiB decoded, more than the"),
     ("a header claiming 5.8 TiB", "npz", _header_claims_5_8_tib, 2, "header claims shape (400000, 2000, 2000, 4)"),
     ("a 12000x12000 PNG of 140 KB", "folder", _png_12000, 2, "big.png: 12000x12000 pixels; an image here may have"),
     ("a 400-megapixel PNG", "folder", _png_400_megapixels, 2, "huge.png: more pixels than Pillow opens"),
+    (
+        "a deployed server's label of 10**9",
+        None,
+        _deployed_server_label_1e9,
+        2,
+        "server.npz: label 1000000000 appears, but only 3 distinct labels do (no sample has label 2)",
+    ),
 ]
 
 
@@ -239,8 +262,8 @@ def test_no_data_file_can_exhaust_memory(tmp_path):
     calls = []
     for n, (_, dataset, make, _, _) in enumerate(MEMORY_CASES):
         data = tmp_path / f"data{n}"
-        make(data)
-        argv = ["run", "--set", f"data_args.dataset={dataset}", "--set", f"data_args.data_cache_dir={data}"]
+        made = make(data)
+        argv = made or ["run", "--set", f"data_args.dataset={dataset}", "--set", f"data_args.data_cache_dir={data}"]
         argv += ["--set", f"common_args.output_dir={tmp_path / 'runs'}", "--set", "tracking_args.progress_bar=false"]
         calls.append(f"__import__('fedml_ssfl.cli').cli.main({argv!r})")
     for (name, _, _, code, expected), res in zip(MEMORY_CASES, run_bounded(PRELOAD, calls)):
@@ -304,26 +327,25 @@ def test_a_class_without_training_samples_is_named_not_blamed_on_num_server_labe
     assert "num_server_labels" not in line and "Traceback" not in err
 
 
-def test_a_deployed_servers_label_of_1e9_is_refused_without_building_its_classes(tmp_path, capsys):
-    """Deployment mode: without class_names the server's class count comes from the labels present."""
-    data = tmp_path / "data"
-    _npz(data / "server.npz", _pixels(3), np.array([0, 1, 10**9]))
-    _npz(data / "test.npz", _pixels(2), np.array([0, 1]))
-    _npz(data / "silo.npz", _pixels(2), np.array([-1, -1]))
-    sets = {
-        "common_args.training_type": "cross_silo",
-        "comm_args.backend": "MPI",
-        "comm_args.mode": "deployment",
-        "data_args.server_data": data / "server.npz",
-        "data_args.test_data": data / "test.npz",
-        "data_args.local_data": data / "silo.npz",
-        "common_args.output_dir": tmp_path / "runs",
-    }
-    argv = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
-    assert main(["partition", *argv]) == 2
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "data_args.server_data: " in line and "label 1000000000 appears, but only 3 distinct labels do" in line, line
-    assert "or set data_args.num_classes" in line
+def channel_stats_of_128_mib() -> int:
+    """Run in a bounded child: 0 when the statistics of 128 MiB of half-black, half-white images are right."""
+    import torch
+
+    from fedml_ssfl.data.datasets import _channel_stats
+
+    x = torch.zeros(2048, 2, 128, 128, dtype=torch.uint8)
+    x[::2] = 255
+    mean, std = _channel_stats(x)
+    n = x.numel() // 2
+    return 0 if mean == (0.5, 0.5) and all(abs(s - (0.25 * n / (n - 1)) ** 0.5) < 1e-12 for s in std) else 1
+
+
+def test_channel_statistics_take_a_bounded_working_set():
+    """Mean and std of 128 MiB of images with 400 MiB of headroom (a float64 copy alone would take 1 GiB)."""
+    call = "__import__('tests.test_inputs').test_inputs.channel_stats_of_128_mib()"
+    (res,) = run_bounded(["torch", "tests.test_inputs"], [call])
+    assert res.code == 0, res.err[-3000:]
+    assert res.peak_growth < 128 * 2**20 + 96 * 2**20, res.peak_growth  # the images, and a chunk in int64
 
 
 # ---------------------------------------------------------------------------------------------
