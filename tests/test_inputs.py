@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fedml_ssfl.cli import main
+from fedml_ssfl.config import ConfigError
 from tests.conftest import disk_used, resize_disk, run_bounded, write_npz_member, write_png
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -405,6 +406,26 @@ def test_a_disk_too_small_for_the_first_round_is_one_line_naming_the_file(small_
     assert "No space left on device" in line and "(summary.json was not written: " in line, line
 
 
+def test_a_write_outside_the_run_folder_is_named_as_such(tmp_path, capsys, monkeypatch):
+    """A spill folder elsewhere (device_args.state_spill_dir) that fills up is not blamed on the run folder."""
+    import errno
+
+    import fedml_ssfl.runtime.common as common
+    from tests.conftest import SMALL
+
+    spill = tmp_path / "spill" / "states.pt"
+
+    def full(path, payload):
+        raise OSError(errno.ENOSPC, "No space left on device", str(spill))
+
+    monkeypatch.setattr(common, "save_checkpoint", full)
+    assert main(["run", *_sets(*SMALL, f"common_args.output_dir={tmp_path / 'runs'}")]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    run_dir = tmp_path / "runs" / "digits_semifl"
+    assert f"round 1: cannot write {spill} (outside the run folder {run_dir}): {spill}: No space left" in line, line
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
 def test_a_full_disk_under_the_heat_map_is_one_line_naming_it(small_disk, capsys):
     disk = small_disk("4k")
     (disk / "filler").write_bytes(b"x" * 4096)
@@ -481,6 +502,8 @@ def test_an_ipconfig_address_that_is_no_address_is_named_and_a_byte_order_mark_i
     from fedml_ssfl.runtime.fedml.launch import read_ipconfig
 
     _, job = _grpc_job(tmp_path, ip="999.1.1.1")
+    with pytest.raises(ConfigError, match=r"rank 0's grpc_server_ip '999\.1\.1\.1' is not an IP address"):
+        read_ipconfig(tmp_path / "ipconfig.csv")
     assert main(["run", *_sets(*job), "--rank", "0"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "ipconfig.csv: rank 0's grpc_server_ip '999.1.1.1' is not an IP address or a host name" in line, line
