@@ -412,6 +412,32 @@ def test_a_disk_too_small_for_the_first_round_is_one_line_naming_the_file(small_
     assert "No space left on device" in line and "(summary.json was not written: " in line, line
 
 
+TENSORBOARD_ON_A_FULL_DISK = """
+import sys, threading
+from pathlib import Path
+from fedml_ssfl.tracking import RunTracker
+tracker = RunTracker(Path(sys.argv[1]), tensorboard=True)
+try:
+    tracker._writer()  # TensorBoard's writer writes its first event from its own thread
+except OSError as exc:
+    print("refused:", exc.strerror)
+for thread in threading.enumerate():
+    if thread is not threading.main_thread():
+        thread.join(10)
+"""
+
+
+def test_a_tensorboard_writer_thread_failing_on_a_full_disk_prints_no_traceback(small_disk):
+    """The run reports the error in one line; the writer thread re-raises it and Python would print its traceback."""
+    disk = small_disk("4k")
+    (disk / "filler").write_bytes(b"x" * 4096)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-c", TENSORBOARD_ON_A_FULL_DISK, str(disk / "run")]
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "refused: No space left on device", (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and "Exception in thread" not in res.stderr, res.stderr
+
+
 def test_a_write_outside_the_run_folder_is_named_as_such(tmp_path, capsys, monkeypatch):
     """A spill folder elsewhere (device_args.state_spill_dir) that fills up is not blamed on the run folder."""
     import errno
