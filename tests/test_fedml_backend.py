@@ -259,7 +259,7 @@ def test_grpc_rank_and_ports_from_the_launch_platform(small_config, tmp_path, mo
     assert grpc_rank(cfg, None, None)[0] == 2
     assert grpc_rank(cfg, 1, "client")[0] == 1  # an explicit --rank wins
     monkeypatch.setenv("FEDML_CLIENT_RANK", "two")
-    with pytest.raises(ConfigError, match="FEDML_CLIENT_RANK='two' is not a rank"):
+    with pytest.raises(ConfigError, match="FEDML_CLIENT_RANK='two': expected a whole number >= 0"):
         grpc_rank(cfg, None, None)
 
 
