@@ -40,7 +40,6 @@ import json
 import math
 import os
 import re
-import resource
 import sys
 import tempfile
 import time
@@ -88,6 +87,10 @@ def input_budget() -> int:
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
         ram = 2**31
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return ram // 4
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     if soft != resource.RLIM_INFINITY:
         try:
