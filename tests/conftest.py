@@ -108,6 +108,7 @@ class Bounded:
     code: int
     err: str
     peak_growth: int  # bytes of resident memory above the level before the call
+    seconds: float = 0.0  # the call's wall time
 
 
 def run_bounded(preload: list[str], calls: list[str], headroom: int = BOUND_HEADROOM) -> list[Bounded]:
@@ -121,7 +122,7 @@ def run_bounded(preload: list[str], calls: list[str], headroom: int = BOUND_HEAD
     """
     source = textwrap.dedent(
         f"""
-        import contextlib, importlib, io, json, resource, sys, traceback
+        import contextlib, importlib, io, json, resource, sys, time, traceback
         for name in {preload!r}:
             importlib.import_module(name)
         def status(key):
@@ -133,14 +134,14 @@ def run_bounded(preload: list[str], calls: list[str], headroom: int = BOUND_HEAD
         for call in {calls!r}:
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")
-            base, err = status("VmRSS:"), io.StringIO()
+            base, err, start = status("VmRSS:"), io.StringIO(), time.perf_counter()
             with contextlib.redirect_stderr(err):
                 try:
                     code = eval(call)
                 except BaseException:
                     traceback.print_exc()
                     code = -1
-            results.append([code, err.getvalue(), status("VmHWM:") - base])
+            results.append([code, err.getvalue(), status("VmHWM:") - base, time.perf_counter() - start])
         print("results " + json.dumps(results))
         """
     )
