@@ -209,7 +209,7 @@ def small_disk(tmp_path):
 
     yield mount
     for disk in mounted:
-        subprocess.run(["umount", str(disk)], check=True)
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # detached even if a file is still open
 
 
 def resize_disk(disk: Path, size: int) -> None:
