@@ -274,13 +274,28 @@ SHOWN_ELSEWHERE = (
     "common_args.run_id",
     "common_args.compare_with",
     "common_args.random_seed",
-    "comm_args.backend",
+    "common_args.training_type",
     "ssfl_args.algorithm",
+    "device_args.using_gpu",
+    "device_args.gpu_id",
+    "device_args.gpu_mapping_file",
+    "device_args.gpu_mapping_key",
+    "device_args.num_threads",
+    "device_args.state_memory_mb",
+    "device_args.state_spill_dir",
+    "device_args.data_on_device",
 )
-"""Config keys a legend entry never lists as a difference: names and folders, and what it always shows."""
+"""Config keys a legend entry never lists as a difference: names and folders, what it always shows (seed,
+algorithm, the runtime: ``training_type`` and every ``comm_args`` key but ``mode``) and where a run kept its
+memory and threads, which change no result."""
 
 MAX_DIFFERENCES = 3
 """At most this many differing settings in one legend entry (then ``+N more``)."""
+
+
+def _transport_key(key: str) -> bool:
+    """A ``comm_args`` key other than ``mode``: how the runtime talks (backend, addresses, TLS files)."""
+    return key.startswith("comm_args.") and key != "comm_args.mode"
 
 
 def differences(records: list[RunRecord]) -> dict[int, list[str]]:
@@ -294,7 +309,7 @@ def differences(records: list[RunRecord]) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {id(r): [] for r in records}
     keys = sorted(set().union(*(r.settings for r in records))) if records else []
     for key in keys:
-        if key in SHOWN_ELSEWHERE or key.startswith("tracking_args."):
+        if key in SHOWN_ELSEWHERE or key.startswith("tracking_args.") or _transport_key(key):
             continue
         groups = [records]
         if key.startswith("ssfl_args."):

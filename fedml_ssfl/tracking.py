@@ -145,8 +145,8 @@ def accuracy_axis(ax: Axes, num_classes: int | Iterable[int | None] | None = Non
     ax.set_ylabel("test accuracy (%)")
 
 
-def legend_below(fig: Figure, axes: Iterable[Axes]) -> None:
-    """One legend for ``axes`` below them, outside every axes (entries of the same label once).
+def legend_below(fig: Figure, axes: Iterable[Axes], ncols: int = 1) -> None:
+    """One legend for ``axes`` below them, outside every axes (entries of the same label once), in ``ncols`` columns.
 
     Needs a figure made with ``layout="constrained"`` (:func:`new_figure`), which makes room for it.
     Nothing is drawn when the axes have no labelled artist.
@@ -156,7 +156,8 @@ def legend_below(fig: Figure, axes: Iterable[Axes]) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
     if entries:
-        fig.legend(list(entries.values()), list(entries), loc="outside lower center", fontsize=8, frameon=False)
+        handles, labels = list(entries.values()), list(entries)
+        fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=8, frameon=False)
 
 
 def new_figure(width: float, height: float, panels: int = 1, entries: int = 0, **subplots: Any) -> tuple[Figure, Any]:
@@ -371,7 +372,7 @@ def bytes_figure(rows: list[dict[str, Any]], title: str, subtitle: str = "") -> 
     axes[0].set_ylim(0, 1.08 * largest / size if largest > 0 else 1)
     axes[0].set_ylabel(f"{unit} per round")
     fig.suptitle(f"{title}: bytes per round" + (f"\n{subtitle}" if subtitle else ""), fontsize=11)
-    legend_below(fig, axes)
+    legend_below(fig, axes, ncols=3)
     return fig
 
 

@@ -164,6 +164,8 @@ def test_report_labels_tell_runs_apart_by_runtime_seed_and_what_else_differs(tmp
     strict = _set(_fake_run(tmp_path / "strict", "semifl", [0.3, 0.5]), ssfl_args={"threshold": 0.99})
     for run in (mpi, grpc, seed1):
         _set(run, ssfl_args={"threshold": 0.9})
+    for run in (mpi, grpc):  # what the runtime implies, and what changes no result, is not a difference
+        _set(run, common_args={"training_type": "cross_silo"}, device_args={"num_threads": 2})
     other = _set(_fake_run(tmp_path / "fedseal", "fedseal", [0.3, 0.4]), ssfl_args={"threshold": 0.5})
     labels = [
         line.get_label() for line in accuracy_figure(collect_runs([mpi, grpc, seed1, strict, other])).axes[0].lines
