@@ -5,9 +5,11 @@ server-only lower bound beside them) and accuracy-versus-round curves. :func:`re
 each run directory written by the runtime (``summary.json``, ``metrics.jsonl``, ``config.yaml``)
 and produces both. A run made by ``fedml-ssfl run`` keeps its baselines under
 ``compare/<name>/``; those are included automatically, so ``fedml-ssfl report runs/x`` shows the
-method beside server-only from the same split. The plot has one line per run, named after the run
-folder; the table gives each run's wall-clock runtime and its status ("failed", "stopped", ...),
-and "-" where a figure is missing.
+method beside server-only from the same split. The plot has one line per run on a 0-100% axis with
+the chance level dotted, titled with the runs' names; each legend entry (below the plot) names the
+run folder, its runtime, seed and the settings that set it apart from the other runs. The table gives
+each run's wall-clock runtime and its status ("failed", "stopped", ...), and "-" where a figure is
+missing.
 """
 
 from __future__ import annotations
