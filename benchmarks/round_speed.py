@@ -87,25 +87,25 @@ def run_row(name: str, args: argparse.Namespace) -> dict | None:
 
 
 def plot(rows: list[dict], path: Path, target: float = 1.10) -> None:
-    """Overhead ratio per row (CPU and wall), and seconds per round of round and reference."""
-    import matplotlib
+    """Overhead ratio per row (CPU and wall), and CPU seconds per round of round and reference.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Both axes from 0, each panel's legend below it (off the bars), the machine and dates in the title.
+    """
+    from matplotlib.figure import Figure
 
     names = [r["row"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig = Figure(figsize=(13, 5.6), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
     xs = range(len(rows))
     width = 0.38
     ax1.bar([x - width / 2 for x in xs], [r["ratio_best_cpu"] for r in rows], width, label="CPU seconds")
     ax1.bar([x + width / 2 for x in xs], [r["ratio_best"] for r in rows], width, label="wall seconds")
     ax1.axhline(target, color="red", linestyle="--", linewidth=1, label=f"target {target:.2f}x")
     ax1.axhline(1.0, color="black", linewidth=0.6)
+    top = max([target, *(r["ratio_best_cpu"] for r in rows), *(r["ratio_best"] for r in rows)])
+    ax1.set_ylim(0, 1.08 * top)
     ax1.set_ylabel("round / fastest reference")
-    ax1.set_title("federated overhead (median of the measured rounds)")
-    ax1.set_xticks(list(xs), names, rotation=45, ha="right")
-    ax1.legend(fontsize=8)
-    ax1.grid(axis="y", alpha=0.3)
+    ax1.set_title("federated overhead (median of the measured rounds)", fontsize=10)
     ax2.bar([x - width / 2 for x in xs], [r["cpu_seconds_per_round"] for r in rows], width, label="round")
     ax2.bar(
         [x + width / 2 for x in xs],
@@ -113,18 +113,22 @@ def plot(rows: list[dict], path: Path, target: float = 1.10) -> None:
         width,
         label="reference (same passes, plain loop)",
     )
-    ax2.set_yscale("log")
     ax2.set_ylabel("CPU seconds per round")
-    ax2.set_xticks(list(xs), names, rotation=45, ha="right")
-    ax2.legend(fontsize=8)
-    ax2.grid(axis="y", alpha=0.3)
+    ax2.set_title("seconds per round", fontsize=10)
+    pad = max(0.0, (4 - len(rows)) / 2)  # a few rows: bars of the width they have with four
+    for ax in (ax1, ax2):
+        ax.set_xlim(-0.6 - pad, len(rows) - 0.4 + pad)
+        ax.set_xticks(list(xs), names, rotation=45, ha="right")
+        ax.grid(axis="y", alpha=0.3)
+    handles1, labels1 = ax1.get_legend_handles_labels()
+    handles2, labels2 = ax2.get_legend_handles_labels()
+    fig.legend(handles1, labels1, loc="outside lower left", ncols=3, fontsize=8, frameon=False)
+    fig.legend(handles2, labels2, loc="outside lower right", ncols=2, fontsize=8, frameon=False)
     m = rows[0]["machine"]
     dates = sorted(r["machine"]["date"] for r in rows)
     when = dates[0] if dates[0] == dates[-1] else f"rows measured {dates[0]} to {dates[-1]}"
-    fig.suptitle(f"{m['cpu']}, {m['torch_threads']} torch thread(s), torch {m['torch']}, {when}", fontsize=9, y=0.99)
-    fig.tight_layout()
+    fig.suptitle(f"{m['cpu']}, {m['torch_threads']} torch thread(s), torch {m['torch']}, {when}", fontsize=9)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for every row")
     p.add_argument("--out", default="round_speed", help="results/<out>.json and .png (default round_speed)")
     p.add_argument("--merge", action="store_true", help="replace only these rows in an existing results/<out>.json")
+    p.add_argument("--replot", action="store_true", help="only draw results/<out>.png again from results/<out>.json")
     args = p.parse_args(argv)
+    if args.replot:
+        rows = json.loads((RESULTS / f"{args.out}.json").read_text(encoding="utf-8"))["rows"]
+        plot(rows, RESULTS / f"{args.out}.png")
+        return 0
     results = {name: run_row(name, args) for name in args.rows}
     failed = [name for name, r in results.items() if r is None]
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -209,13 +209,15 @@ def measure(template_path: str, K: int, budget_mb: float, work: str, server_reco
 
 # ---- the sweep --------------------------------------------------------------------------------------
 def plot(rows: list[dict], out: Path) -> None:
-    """Two panels against K (log x): the peak RSS, and the peak above the process's baseline (log y)."""
-    import matplotlib
+    """Two panels against K (log x): the peak RSS, and the peak above the process's baseline (log y).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    One legend below both panels (off the lines); the baseline and the budgets are legend entries.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig = Figure(figsize=(12, 5.6), layout="constrained")
+    ax, ax2 = fig.subplots(1, 2)
     colors = {"fedsiam": "tab:blue", "fedseal": "tab:green", "fedmatch": "tab:red"}
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v")]
     budgets = sorted({r["budget_mib"] for r in rows})
@@ -232,25 +234,28 @@ def plot(rows: list[dict], out: Path) -> None:
             ax2.plot(ks, above, line, marker=marker, color=colors[algo], label=label)
     for b in budgets:
         if b > 0:
-            ax2.axhline(b, color="black", lw=0.8, ls=(0, (1, 3)))
-            ax2.text(10, b, f" budget {b:g} MiB", va="bottom", fontsize=8)
-    base = min(r["baseline_rss_mib"] for r in rows)
-    ax.axhline(base, color="grey", lw=0.8)
-    ax.text(10, base, " baseline: python + torch + template", va="top", fontsize=8, color="grey")
+            ax2.axhline(b, color="black", lw=0.8, ls=(0, (1, 3)), label=f"the budget, {b:g} MiB")
+    base, most = min(r["baseline_rss_mib"] for r in rows), max(r["baseline_rss_mib"] for r in rows)
+    spread = f"{base:.0f} MiB" if round(base) == round(most) else f"{base:.0f} to {most:.0f} MiB"
+    ax.axhline(base, color="grey", lw=0.8, label=f"baseline: python + torch + template ({spread})")
+    ax.set_ylim(0, None)
     for a in (ax, ax2):
         a.set_xscale("log")
         a.set_xlabel("K (clients with a persistent state)")
         a.grid(True, which="both", alpha=0.3)
     ax2.set_yscale("log")
+    ax2.yaxis.set_major_formatter(ScalarFormatter())  # 10, 100, 1000 rather than 10^1, 10^2, 10^3
     ax.set_ylabel("peak RSS (MiB)")
     ax2.set_ylabel("peak RSS above baseline (MiB)")
-    ax.set_title("peak RSS of the process")
-    ax2.set_title("what the states cost")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title("peak RSS of the process", fontsize=10)
+    ax2.set_title("what the states cost", fontsize=10)
+    entries: dict = {}
+    for a in (ax, ax2):
+        for handle, label in zip(*a.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=4, fontsize=8, frameon=False)
     fig.suptitle("Per-client state: MNIST-5k cnn28 states; every client updated, 100 again, one checkpoint")
-    fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         "--child", nargs=5, metavar=("TEMPLATE", "K", "BUDGET", "WORK", "RECORDS"), help=argparse.SUPPRESS
     )
     parser.add_argument("--template", nargs=2, metavar=("ALGORITHM", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--replot", action="store_true", help="only draw <results>.png again from <results>.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        results = Path(args.results)
+        plot(json.loads(results.with_suffix(".json").read_text())["rows"], results.with_suffix(".png"))
+        return 0
     if args.child:
         template, K, budget, work, recs = args.child
         print(json.dumps(measure(template, int(K), float(budget), work, recs == "1")))

@@ -398,6 +398,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from .atomic import make_folder
     from .data.partition_report import partition_report, save_partition_heatmap
     from .experiment import load_experiment_dataset, make_split
+    from .tracking import dataset_name
 
     cfg = load_config(_config_path(args), args.overrides)
     dataset = load_experiment_dataset(cfg)
@@ -409,9 +410,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     except OSError as exc:
         fix = "pass --out another path" if args.out else "set common_args.output_dir to another folder (or pass --out)"
         raise ConfigError(f"cannot write the heat-map {out}: {exc}; or {fix}") from None
-    save_partition_heatmap(
-        split, dataset.train_labels, out, title=f"{cfg.data_args.dataset} {cfg.data_args.partition_method}"
-    )
+    title = f"{cfg.common_args.run_name}: {cfg.data_args.partition_method} split of {dataset_name(cfg.to_dict())}"
+    save_partition_heatmap(split, dataset.train_labels, out, title, dataset.class_names)
     print(f"heat-map: {out}")
     if args.export:
         from .experiment import export_deployment

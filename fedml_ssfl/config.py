@@ -141,7 +141,8 @@ class ValidationArgs:
     """``validation_args``: how often to evaluate on the test set."""
 
     frequency_of_the_test: int = 1
-    eval_batch_size: int = 1000
+    # metrics.EVAL_BATCH_SIZE (why 100: its docstring), written out so that the config does not import torch
+    eval_batch_size: int = 100
 
 
 @dataclass

@@ -9,6 +9,15 @@ from torch.nn import functional as F
 from .contract import DataInfo
 from .training import InputPipeline
 
+EVAL_BATCH_SIZE = 100
+"""The default evaluation batch (``validation_args.eval_batch_size``): the fastest on a CPU for every shipped
+model. Measured per 1,000 test images with one torch thread (``benchmarks/eval_batch.py``, results in
+``benchmarks/results/eval_batch.json``): WRN-28-2 at 32x32 in channels_last 2.2 CPU s at batch 100 against
+3.1 at 250 and 4.8 at 1000; cnn28 and FedSiam's and the EMNIST CNNs likewise fastest at 50 to 250 (2 to 3x
+slower at 1000). A big batch's activations outgrow the CPU's caches and are fresh allocations each time.
+The batch changes no prediction (each image is computed alone: BatchNorm uses its running statistics in
+evaluation); the mean loss may differ in its last bits (another summation order)."""
+
 
 def evaluate(
     model: nn.Module,
@@ -16,7 +25,7 @@ def evaluate(
     labels: torch.Tensor,
     info: DataInfo,
     device: torch.device,
-    batch_size: int = 1000,
+    batch_size: int = EVAL_BATCH_SIZE,
 ) -> dict[str, float]:
     """Accuracy and mean cross-entropy of ``model`` (eval mode, no augmentation; inference mode, which
     skips autograd's version counting: the same numbers as ``no_grad``, a little faster).

@@ -5,9 +5,11 @@ server-only lower bound beside them) and accuracy-versus-round curves. :func:`re
 each run directory written by the runtime (``summary.json``, ``metrics.jsonl``, ``config.yaml``)
 and produces both. A run made by ``fedml-ssfl run`` keeps its baselines under
 ``compare/<name>/``; those are included automatically, so ``fedml-ssfl report runs/x`` shows the
-method beside server-only from the same split. The plot has one line per run, named after the run
-folder; the table gives each run's wall-clock runtime and its status ("failed", "stopped", ...),
-and "-" where a figure is missing.
+method beside server-only from the same split. The plot has one line per run on a 0-100% axis with
+the chance level dotted, titled with the runs' names; each legend entry (below the plot) names the
+run folder, its runtime, seed and the settings that set it apart from the other runs. The table gives
+each run's wall-clock runtime and its status ("failed", "stopped", ...), and "-" where a figure is
+missing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,18 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .atomic import atomic_write
-from .tracking import read_metrics, round_axis, round_numbers
+from .tracking import (
+    accuracy_axis,
+    class_count,
+    dataset_name,
+    flat_config,
+    legend_below,
+    new_figure,
+    read_metrics,
+    round_axis,
+    round_numbers,
+    runtime_name,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -53,6 +66,10 @@ class RunRecord:
     curve: list[tuple[int, float]] = field(default_factory=list)
     parent: Path | None = None
     label: str = ""
+    runtime: str = "local"
+    num_classes: int | None = None
+    dataset_label: str = "-"
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def run_name(self) -> str:
@@ -150,6 +167,10 @@ def load_run(path: Path, parent: Path | None = None) -> RunRecord:
         wall_seconds=_num(summary.get("wall_seconds")),
         curve=curve,
         parent=parent,
+        runtime=runtime_name(cfg, summary),
+        num_classes=class_count(summary),
+        dataset_label=dataset_name(cfg) if cfg else str(summary.get("dataset") or "-"),
+        settings=flat_config(cfg),
     )
 
 
@@ -250,32 +271,112 @@ def format_table(records: list[RunRecord]) -> str:
     return "\n".join([*lines, "", "runs:", *notes])
 
 
-def legend_label(r: RunRecord) -> str:
-    """A run's legend entry: its run name (with the algorithm when the name lacks it), final accuracy or status."""
-    name = r.run_name if r.algorithm in r.run_name else f"{r.run_name} ({r.algorithm})"
+SHOWN_ELSEWHERE = (
+    "common_args.run_name",
+    "common_args.output_dir",
+    "common_args.run_id",
+    "common_args.compare_with",
+    "common_args.random_seed",
+    "common_args.training_type",
+    "ssfl_args.algorithm",
+    "device_args.using_gpu",
+    "device_args.gpu_id",
+    "device_args.gpu_mapping_file",
+    "device_args.gpu_mapping_key",
+    "device_args.num_threads",
+    "device_args.state_memory_mb",
+    "device_args.state_spill_dir",
+    "device_args.data_on_device",
+)
+"""Config keys a legend entry never lists as a difference: names and folders, what it always shows (seed,
+algorithm, the runtime: ``training_type`` and every ``comm_args`` key but ``mode``) and where a run kept its
+memory and threads, which change no result."""
+
+MAX_DIFFERENCES = 3
+"""At most this many differing settings in one legend entry (then ``+N more``)."""
+
+
+def _transport_key(key: str) -> bool:
+    """A ``comm_args`` key other than ``mode``: how the runtime talks (backend, addresses, TLS files)."""
+    return key.startswith("comm_args.") and key != "comm_args.mode"
+
+
+def differences(records: list[RunRecord]) -> dict[int, list[str]]:
+    """The settings that set each run apart from the others: ``id(record) -> ["key=value", ...]``.
+
+    A key counts when the runs that have it do not all agree; keys some run lacks (an older config)
+    and :data:`SHOWN_ELSEWHERE` do not. ``ssfl_args`` keys are compared only between runs of the same
+    algorithm (two algorithms' own settings are not a difference worth a legend). Keys are shown by
+    their last part (``threshold=0.95``).
+    """
+    out: dict[int, list[str]] = {id(r): [] for r in records}
+    keys = sorted(set().union(*(r.settings for r in records))) if records else []
+    for key in keys:
+        if key in SHOWN_ELSEWHERE or key.startswith("tracking_args.") or _transport_key(key):
+            continue
+        groups = [records]
+        if key.startswith("ssfl_args."):
+            groups = [[r for r in records if r.algorithm == a] for a in dict.fromkeys(r.algorithm for r in records)]
+        for group in groups:
+            if len(group) < 2 or any(key not in r.settings for r in group):
+                continue
+            if len({json.dumps(r.settings[key]) for r in group}) > 1:
+                for r in group:
+                    out[id(r)].append(f"{key.rsplit('.', 1)[-1]}={r.settings[key]}")
+    return out
+
+
+def legend_label(r: RunRecord, differing: list[str] | None = None) -> str:
+    """A run's legend entry: its run name, then in brackets its algorithm (when the name lacks it), runtime,
+    seed and the settings that set it apart (``differing``, from :func:`differences`), then its final
+    accuracy or status."""
+    parts = [] if r.algorithm in r.run_name else [r.algorithm]
+    parts.append(r.runtime)
+    if r.seed is not None:
+        parts.append(f"seed {r.seed}")
+    shown = list(differing or [])
+    parts += shown[:MAX_DIFFERENCES]
+    if len(shown) > MAX_DIFFERENCES:
+        parts.append(f"+{len(shown) - MAX_DIFFERENCES} more")
+    name = f"{r.run_name} ({', '.join(parts)})"
     if r.curve:
         return f"{name}: {_pct(r.final_acc)}" + ("" if r.status == "completed" else f", {r.status}")
     return f"{name}: {r.status}, no evaluated round"
 
 
-def accuracy_figure(records: list[RunRecord]) -> Figure:
-    """Test accuracy per round, one line per run (a run with no evaluated round: a legend entry)."""
-    from matplotlib.figure import Figure
+TITLE_CHARS = 60
+"""A title lists the compared runs' names up to about this many characters (then ``and N other runs``)."""
 
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
+
+def figure_title(records: list[RunRecord]) -> str:
+    """The compare plot's title: the names of the runs given (their baselines aside), then the datasets."""
+    names = list(dict.fromkeys(r.path.name for r in records if r.parent is None)) or [r.run_name for r in records[:1]]
+    head = ", ".join(names)
+    if len(names) > 1 and len(head) > TITLE_CHARS:
+        head = f"{names[0]} and {len(names) - 1} other runs"
+    datasets = ", ".join(dict.fromkeys(r.dataset_label for r in records if r.dataset_label != "-"))
+    return f"{head}: test accuracy" + (f"\non {datasets}" if datasets else "")
+
+
+def accuracy_figure(records: list[RunRecord]) -> Figure:
+    """Test accuracy per round, one line per run (a run with no evaluated round: a legend entry).
+
+    0 to 100% with the chance level of each run's class count dotted (runs written before
+    summary.json recorded ``num_classes`` draw none); the legend below the axes, one entry per run
+    (:func:`legend_label`); the title names the runs (:func:`figure_title`).
+    """
+    fig, ax = new_figure(7, 4.5, entries=len(records) + 1)
+    differing = differences(records)
     for r in records:
         xs, ys = zip(*r.curve) if r.curve else ((), ())
         style = "--" if r.algorithm == REFERENCE else "-"
-        ax.plot(xs, [100 * y for y in ys], style, marker="." if len(xs) < 40 else None, label=legend_label(r))
-    datasets = sorted({r.dataset for r in records})
-    ax.set_title(", ".join(datasets) + ": test accuracy")
+        label = legend_label(r, differing[id(r)])
+        ax.plot(xs, [100 * y for y in ys], style, marker="." if len(xs) < 40 else None, label=label)
     round_axis(ax)
-    ax.set_ylabel("test accuracy (%)")
+    accuracy_axis(ax, [r.num_classes for r in records])
+    ax.set_title(figure_title(records), fontsize=10)
     ax.grid(alpha=0.3)
-    if records:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_below(fig, [ax])
     return fig
 
 

@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,19 +131,52 @@ def round_axis(ax: Axes) -> None:
     ax.set_xlabel("round")
 
 
+def accuracy_axis(ax: Axes, num_classes: int | Iterable[int | None] | None = None) -> None:
+    """Test accuracy in percent on a fixed 0-100 y-axis, with a dotted chance line at 100 / classes.
+
+    The axis never autoscales: a dip of one point looks like one point, not a collapse. A run's
+    class count that is unknown (None, or below 2) draws no line; several counts draw one each.
+    Call it after the curves, so that the chance line comes last in the legend.
+    """
+    from matplotlib.ticker import MultipleLocator
+
+    counts = [num_classes] if num_classes is None or isinstance(num_classes, int) else list(num_classes)
+    for n in sorted({c for c in counts if c is not None and c >= 2}):
+        ax.axhline(100 / n, color="0.35", linestyle=":", linewidth=1.3, label=f"chance (1/{n}): {100 / n:.1f}%")
+    ax.set_ylim(0, 100)
+    ax.yaxis.set_major_locator(MultipleLocator(10))
+    ax.set_ylabel("test accuracy (%)")
+
+
+def legend_below(fig: Figure, axes: Iterable[Axes], ncols: int = 1) -> None:
+    """One legend for ``axes`` below them, outside every axes (entries of the same label once), in ``ncols`` columns.
+
+    Needs a figure made with ``layout="constrained"`` (:func:`new_figure`), which makes room for it.
+    Nothing is drawn when the axes have no labelled artist.
+    """
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        handles, labels = list(entries.values()), list(entries)
+        fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=8, frameon=False)
+
+
+def new_figure(width: float, height: float, panels: int = 1, entries: int = 0, **subplots: Any) -> tuple[Figure, Any]:
+    """A figure with ``panels`` axes side by side and room below them for a legend of ``entries`` lines."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height + 0.2 * entries), layout="constrained")
+    return fig, fig.subplots(1, panels, **subplots)
+
+
 def byte_unit(largest: float) -> tuple[str, int]:
     """The unit to show byte counts up to ``largest`` in: ``("MiB", 2**20)``, GiB, KiB, or bytes below 1 KiB."""
     for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if largest >= size:
             return name, size
     return "bytes", 1
-
-
-def _new_figure(size: tuple[float, float]) -> tuple[Figure, Axes]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=size)
-    return fig, fig.subplots()
 
 
 MARKED_ROUNDS = 40
@@ -159,13 +192,94 @@ def _acc_curve(rows: list[dict[str, Any]], key: str = "test_acc") -> tuple[list[
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+# ---------------------------------------------------------------------------------------------
+# what a plot says about the run it shows
+
+
+def runtime_name(config: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> str:
+    """Where a run ran: ``local``, ``fedml-MPI`` or ``fedml-GRPC``.
+
+    summary.json's ``runtime`` where it has one, else the config's ``comm_args.backend``.
+    """
+    runtime = (summary or {}).get("runtime")
+    if isinstance(runtime, str) and runtime:
+        return runtime
+    backend = _section(config, "comm_args").get("backend") or "local"
+    return "local" if backend == "local" else f"fedml-{backend}"
+
+
+def dataset_name(config: Mapping[str, Any]) -> str:
+    """The dataset as a person knows it: its name, and for a user's files (npz, folder) the folder they are in."""
+    data = _section(config, "data_args")
+    name = str(data.get("dataset") or "-")
+    if name in ("npz", "folder") and data.get("data_cache_dir"):
+        return f"{name} {Path(str(data['data_cache_dir'])).expanduser().name}"
+    return name
+
+
+def run_description(config: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> str:
+    """One line naming what a run is: algorithm, dataset, model, runtime and seed.
+
+    Examples
+    --------
+    >>> cfg = {"ssfl_args": {"algorithm": "semifl"}, "data_args": {"dataset": "mnist5k"},
+    ...        "model_args": {"model": "cnn28", "norm": "bn"}, "common_args": {"random_seed": 0}}
+    >>> run_description(cfg)
+    'semifl on mnist5k, cnn28-bn, local, seed 0'
+    """
+    model = _section(config, "model_args")
+    algorithm = _section(config, "ssfl_args").get("algorithm") or (summary or {}).get("algorithm") or "-"
+    parts = [f"{algorithm} on {dataset_name(config)}"]
+    if model.get("model"):
+        parts.append(f"{model['model']}-{model.get('norm')}")
+    parts.append(runtime_name(config, summary))
+    seed = _section(config, "common_args").get("random_seed")
+    if seed is not None:
+        parts.append(f"seed {seed}")
+    return ", ".join(parts)
+
+
+def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = config.get(name)
+    return value if isinstance(value, Mapping) else {}
+
+
+def read_run_info(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A run folder's ``config.yaml`` and ``summary.json`` as mappings (``{}`` for a missing or unreadable one)."""
+    import yaml
+
+    found: list[dict[str, Any]] = []
+    for name, parse in (("config.yaml", yaml.safe_load), ("summary.json", json.loads)):
+        try:
+            data = parse((Path(run_dir) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            data = None
+        found.append(data if isinstance(data, dict) else {})
+    return found[0], found[1]
+
+
+def class_count(summary: Mapping[str, Any]) -> int | None:
+    """The run's number of classes (summary.json's ``num_classes``; None for runs written before it was)."""
+    n = summary.get("num_classes")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# a run's plots
+
+
 def accuracy_figure(
     rows: list[dict[str, Any]],
     title: str,
     label: str = "",
     baselines: Mapping[str, list[dict[str, Any]]] | None = None,
+    num_classes: int | None = None,
+    subtitle: str = "",
 ) -> Figure:
     """Test accuracy per round of one run, its ``compare_with`` baselines dashed beside it.
+
+    The y-axis runs from 0 to 100% with the chance level dotted (:func:`accuracy_axis`); the legend
+    sits below the axes, off the data.
 
     Parameters
     ----------
@@ -177,9 +291,14 @@ def accuracy_figure(
         The run's legend entry (its algorithm).
     baselines : mapping
         Baseline name -> its metrics rows (``compare/<name>/metrics.jsonl``).
+    num_classes : int, optional
+        The dataset's class count, for the chance line (none drawn when unknown).
+    subtitle : str
+        A line under the title (:func:`run_description`: algorithm, dataset, model, runtime, seed).
     """
-    fig, ax = _new_figure((6.4, 4.2))
-    for i, (name, brows) in enumerate((baselines or {}).items()):
+    baselines = baselines or {}
+    fig, ax = new_figure(6.4, 4.2, entries=len(baselines) + 3)
+    for i, (name, brows) in enumerate(baselines.items()):
         xs, ys = _acc_curve(brows)
         final = f": {ys[-1]:.1f}%" if ys else ": no evaluated round"
         ax.plot(
@@ -189,16 +308,15 @@ def accuracy_figure(
     lo, hi = _acc_curve(rows, "test_acc_min"), _acc_curve(rows, "test_acc_max")
     if lo[0] and lo[0] == hi[0]:
         ax.fill_between(lo[0], lo[1], hi[1], color="C0", alpha=0.15, label="min to max over the clients' models")
-    final = f": {ys[-1]:.1f}%" if ys else ""
+    final = f": {ys[-1]:.1f}%" if ys else ": no evaluated round"
     ax.plot(
         xs, ys, "-", marker=_marker("o", xs), markersize=4, linewidth=2, color="C0", label=f"{label or title}{final}"
     )
     round_axis(ax)
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"{title}: test accuracy")
+    accuracy_axis(ax, num_classes)
+    ax.set_title(f"{title}: test accuracy" + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_below(fig, [ax])
     return fig
 
 
@@ -213,7 +331,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> list[float] | None:
     return [float(r[key]) if _number(r.get(key)) else 0.0 for r in rows]
 
 
-def bytes_figure(rows: list[dict[str, Any]], title: str) -> Figure:
+def bytes_figure(rows: list[dict[str, Any]], title: str, subtitle: str = "") -> Figure:
     """Bytes per round: client to server on the left, server to client on the right.
 
     Each panel has one bar per round: the algorithm's payload (``bytes_up`` / ``bytes_down``,
@@ -221,12 +339,11 @@ def bytes_figure(rows: list[dict[str, Any]], title: str) -> Figure:
     (``state_bytes_*``) stacked on it where there is any; the bytes measured on the wire
     (``wire_bytes_*``, FedML runs) are a dashed line, which then runs along the tops of the bars.
     The y-axis starts at 0, in bytes, KiB, MiB or GiB (whichever suits the largest value), and has
-    no offset, so a difference of a few bytes looks as small as it is.
+    no offset, so a difference of a few bytes looks as small as it is. A direction nothing travelled
+    says so in its panel and draws nothing; one legend below the panels names what the bars and
+    lines are.
     """
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 3.8))
-    axes = fig.subplots(1, 2, sharey=True)
+    fig, axes = new_figure(9, 3.8, panels=2, entries=1, sharey=True)
     rounds = round_numbers(rows)
     panels = {}
     for d, _ in DIRECTIONS:
@@ -239,6 +356,14 @@ def bytes_figure(rows: list[dict[str, Any]], title: str) -> Figure:
     width = 0.7 if len(rows) <= MARKED_ROUNDS else 1.0  # many rounds: bars side by side, no gaps to alias
     for ax, (d, name) in zip(axes, DIRECTIONS):
         payload, stacked, wire = ([v / size for v in line] if line else None for line in panels[d])
+        round_axis(ax)
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        if not any(payload) and stacked is None and not (wire and any(wire)):
+            ax.set_xlim(min(rounds, default=1) - 0.5, max(rounds, default=1) + 0.5)
+            ax.text(0.5, 0.5, "nothing sent this way", transform=ax.transAxes, ha="center", va="center", color="0.4")
+            continue
         ax.bar(rounds, payload, width=width, linewidth=0, color="C0", alpha=0.6, label="algorithm payload")
         if stacked is not None:
             extra = [t - p for t, p in zip(stacked, payload)]
@@ -247,15 +372,10 @@ def bytes_figure(rows: list[dict[str, Any]], title: str) -> Figure:
             )
         if wire is not None:
             ax.plot(rounds, wire, "--", color="black", marker=_marker("x", rounds), label="wire (measured)")
-        round_axis(ax)
-        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
-        ax.set_title(name, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper center", ncols=2)  # in the headroom above the bars
-    axes[0].set_ylim(0, 1.35 * largest / size if largest > 0 else 1)
+    axes[0].set_ylim(0, 1.08 * largest / size if largest > 0 else 1)
     axes[0].set_ylabel(f"{unit} per round")
-    fig.suptitle(f"{title}: bytes per round")
-    fig.tight_layout()
+    fig.suptitle(f"{title}: bytes per round" + (f"\n{subtitle}" if subtitle else ""), fontsize=11)
+    legend_below(fig, axes, ncols=3)
     return fig
 
 
@@ -268,7 +388,13 @@ def baseline_rows(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     return {name: rows for name, rows in found.items() if rows}
 
 
-def plot_run(run_dir: str | Path, label: str = "", rows: list[dict[str, Any]] | None = None) -> list[Path]:
+def plot_run(
+    run_dir: str | Path,
+    label: str = "",
+    rows: list[dict[str, Any]] | None = None,
+    num_classes: int | None = None,
+    subtitle: str | None = None,
+) -> list[Path]:
     """Write ``plots/accuracy.png`` (with the baselines under ``compare/``) and ``plots/bytes.png``.
 
     Parameters
@@ -279,6 +405,11 @@ def plot_run(run_dir: str | Path, label: str = "", rows: list[dict[str, Any]] | 
         The run's legend entry (its algorithm); default the folder's name.
     rows : list of dict, optional
         The run's metrics rows; default read from ``metrics.jsonl``.
+    num_classes : int, optional
+        The class count for the chance line; default summary.json's ``num_classes``.
+    subtitle : str, optional
+        The line under the titles; default :func:`run_description` of the folder's config.yaml and
+        summary.json.
 
     Returns
     -------
@@ -287,11 +418,15 @@ def plot_run(run_dir: str | Path, label: str = "", rows: list[dict[str, Any]] | 
     """
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl") if rows is None else rows
+    if num_classes is None or subtitle is None:
+        config, summary = read_run_info(run_dir)
+        num_classes = class_count(summary) if num_classes is None else num_classes
+        subtitle = (run_description(config, summary) if config else "") if subtitle is None else subtitle
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     figures = {
-        "accuracy.png": accuracy_figure(rows, run_dir.name, label, baseline_rows(run_dir)),
-        "bytes.png": bytes_figure(rows, run_dir.name),
+        "accuracy.png": accuracy_figure(rows, run_dir.name, label, baseline_rows(run_dir), num_classes, subtitle),
+        "bytes.png": bytes_figure(rows, run_dir.name, subtitle),
     }
     for name, fig in figures.items():  # atomically: a full disk keeps the previous plot, never half of one
         atomic_write(out / name, lambda fh, fig=fig: fig.savefig(fh, format="png", dpi=100))
@@ -436,9 +571,9 @@ class RunTracker:
             for tag, value in metrics.items():
                 writer.add_scalar(tag, value, step)
 
-    def plot(self, label: str = "") -> list[Path]:
+    def plot(self, label: str = "", num_classes: int | None = None, subtitle: str | None = None) -> list[Path]:
         """Accuracy-per-round and bytes-per-round PNGs under ``plots/`` (see :func:`plot_run`)."""
-        return plot_run(self.run_dir, label, self.rows)
+        return plot_run(self.run_dir, label, self.rows, num_classes, subtitle)
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         """summary.json, written atomically: a full disk leaves the previous one (or none), never half of one."""

@@ -101,6 +101,10 @@ EXCLUDED: dict[str, str] = {
         "compiles with inductor (20 s to a minute of C++ compilation here); tests/test_bench.py tests the bench's "
         "compile variant, and the figures are committed in benchmarks/results/compile_step.json"
     ),
+    r"^python benchmarks/eval_batch\.py$": (
+        "six models at five batch sizes in two layouts (~10 min here); its figures are committed in "
+        "benchmarks/results/eval_batch.json and its one-model run runs here"
+    ),
     r"^python benchmarks/state_memory\.py$": (
         "a benchmark sweep (K up to 10,000, minutes); its figures are committed in benchmarks/results/ and "
         "tests/test_client_state.py tests the store it measures"
@@ -119,6 +123,9 @@ RUN: dict[str, str | None] = {
     r"^python benchmarks/(augment_speed|max_pool)\.py --repeats ": None,  # CPU, seconds
     r"^python benchmarks/gpu_augment_check\.py --device cpu ": None,  # the parity script on the CPU, seconds
     r"^python benchmarks/semifl_overhead\.py --rounds ": None,  # smoke-sized by FEDML_SSFL_SET
+    r"^python benchmarks/eval_batch\.py --models ": None,  # CPU, the models named (seconds)
+    r"^python benchmarks/inplace_relu\.py --steps ": None,  # CPU, its own step and evaluation counts (seconds)
+    r"^python benchmarks/round_speed\.py --replot$": None,  # draws the committed json again (seconds)
     r"^fedml federate build ": None,  # packs the workspace locally, offline
     r"^\. \.venv/bin/activate$": None,
     r"^export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1$": None,

@@ -11,7 +11,7 @@ import torch
 from fedml_ssfl.data import Split, build_split, non_iid_level
 from fedml_ssfl.data.partition import largest_remainder, r_targets
 from fedml_ssfl.data.partition_methods import PartitionOptions
-from fedml_ssfl.data.partition_report import partition_report, save_partition_heatmap
+from fedml_ssfl.data.partition_report import partition_heatmap, partition_report, save_partition_heatmap
 
 
 def balanced_labels(per_class: int = 200, num_classes: int = 10) -> torch.Tensor:
@@ -240,3 +240,47 @@ def test_report_and_heatmap(tmp_path: Path) -> None:
     assert len(text.splitlines()) >= 10 + 6
     path = save_partition_heatmap(split, labels, tmp_path / "plots" / "split.png", title="R=0.4")
     assert path.is_file() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def heatmap_panels(fig) -> list:
+    """The heat-map's panels (the axes holding an image), laid out as saving would."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    return [ax for ax in fig.axes if ax.images]
+
+
+def test_heatmap_reads_an_even_split_as_even(tmp_path: Path) -> None:
+    """Issue 30: an IID split's colour scale ran 55-65 (looking skewed), the client axis was ticked at
+    -0.5, 0.0, 0.5 and classes were numbers."""
+    labels = balanced_labels()
+    names = [f"class {c}" for c in range(10)]
+    iid = PartitionOptions(partition_method="iid", num_server_labels=100)
+    split = build_split(labels, 10, iid, num_clients=7, seed=0)
+    fig = partition_heatmap(split, labels, "mnist5k_semifl: iid split of mnist5k", names)
+    (ax,) = heatmap_panels(fig)
+    (image,) = ax.images
+    hist = split.class_histograms(labels, "all")
+    assert image.get_clim() == (0, hist.max())  # the scale starts at 0
+    assert [float(t) for t in ax.get_yticks()] == [float(k) for k in range(7)]  # one integer tick per client
+    assert [t.get_text() for t in ax.get_xticklabels()] == names
+    assert fig.get_suptitle().startswith("mnist5k_semifl: iid split of mnist5k\nmeasured non-IID level R = ")
+    counts = [int(t.get_text()) for t in ax.texts]  # a small grid prints each cell's count
+    assert counts == [int(v) for v in hist.flatten()]
+    many = build_split(balanced_labels(40, 40), 40, iid, num_clients=60, seed=0)  # too many to tick each
+    (big,) = heatmap_panels(partition_heatmap(many, balanced_labels(40, 40)))
+    assert not big.texts
+    for axis in (big.get_xticks(), big.get_yticks()):
+        assert 1 < len(axis) <= 12 and all(float(t).is_integer() for t in axis), axis
+
+
+def test_heatmap_of_labels_at_client_has_two_panels_each_from_zero() -> None:
+    labels = balanced_labels()
+    opts = PartitionOptions(
+        partition_method="iid", label_scenario="client", num_server_labels=0, labels_per_class_client=3
+    )
+    split = build_split(labels, 10, opts, num_clients=5, seed=0)
+    panels = heatmap_panels(partition_heatmap(split, labels, "run: iid split"))
+    assert [ax.get_title() for ax in panels] == ["unlabeled samples", "labeled samples"]
+    assert all(ax.images[0].get_clim()[0] == 0 for ax in panels)
+    assert panels[1].images[0].get_clim()[1] == 3  # 3 labels per class and client

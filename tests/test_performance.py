@@ -152,3 +152,27 @@ def test_digits_are_read_as_scikit_learn_loads_them(monkeypatch):
     monkeypatch.setattr(datasets, "parse_small_int_csv", lambda text: None)  # the fallback: scikit-learn itself
     fallback = datasets._digits_arrays()
     assert np.array_equal(fallback[0], images) and np.array_equal(fallback[1], labels)
+
+
+@pytest.mark.parametrize("norm", ["bn", "gn"])
+def test_the_evaluation_batch_changes_no_prediction(small_config, norm):
+    """``validation_args.eval_batch_size`` is a speed knob (docs/performance.md): after a trained round,
+    every batch size gives the same test accuracy (each image is computed alone; BatchNorm uses its running
+    statistics) and the same mean loss up to float summation order, in the layout the run computes in."""
+    from fedml_ssfl.config import ValidationArgs
+    from fedml_ssfl.metrics import EVAL_BATCH_SIZE, evaluate
+    from fedml_ssfl.runtime.local import run_round
+
+    assert ValidationArgs().eval_batch_size == EVAL_BATCH_SIZE  # the config's default is the measured one
+    exp = build_experiment(small_config(f"model_args.norm={norm}", "ssfl_args.algorithm=semifl"))
+    exp.algorithm.setup()
+    run_round(exp, 0, {k: {} for k in range(exp.config.train_args.client_num_in_total)})
+    ds = exp.dataset
+    results = {
+        b: evaluate(exp.algorithm.global_model(), ds.test_images, ds.test_labels, exp.data_info, exp.device, b)
+        for b in (1000, 250, EVAL_BATCH_SIZE, 7)
+    }
+    assert 0.2 < results[1000]["acc"] < 1.0  # a model that has learned something: the argmaxes are not ties
+    assert len({r["acc"] for r in results.values()}) == 1, results
+    for r in results.values():
+        assert r["loss"] == pytest.approx(results[1000]["loss"], rel=1e-6)

@@ -32,6 +32,29 @@ def lines_by_label(ax) -> dict[str, object]:
     return {line.get_label(): line for line in ax.get_lines()}
 
 
+def assert_legend_outside_the_axes(fig) -> list[str]:
+    """The figure's one legend lies off every axes (so never over the data); returns its entries."""
+    drawn(fig)
+    assert not any(ax.get_legend() for ax in fig.axes), "a legend inside an axes"
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent()), (box, ax.get_window_extent())
+    return [t.get_text() for t in legend.get_texts()]
+
+
+def assert_accuracy_axis(ax, chance: float | None) -> None:
+    """0 to 100% whatever the data, with the chance level dotted (or no chance line)."""
+    assert ax.get_ylim() == (0.0, 100.0)
+    assert ax.get_ylabel() == "test accuracy (%)"
+    lines = [line for line in ax.get_lines() if line.get_label().startswith("chance")]
+    if chance is None:
+        assert not lines
+        return
+    (line,) = lines
+    assert list(line.get_ydata()) == pytest.approx([chance, chance]) and line.get_linestyle() == ":"
+
+
 def test_accuracy_plot_has_integer_round_ticks_and_the_baselines(tmp_path: Path) -> None:
     rows = [{"round": n, "test_acc": a} for n, a in ((1, 0.5), (2, 0.7), (3, 0.8))]
     base = [{"round": n, "test_acc": a} for n, a in ((1, 0.3), (2, 0.4), (3, 0.45))]
@@ -47,6 +70,19 @@ def test_accuracy_plot_has_integer_round_ticks_and_the_baselines(tmp_path: Path)
     assert list(own.get_ydata()) == pytest.approx([50, 70, 80]) and "80.0%" in own.get_label()
     one = drawn(accuracy_figure(rows[:1], "run", "semifl", {"server_only": base[:1]})).axes[0]
     assert visible_ticks(one) == [1.0]  # a one-round run: matplotlib would fall back to 0.95, 0.975, ...
+
+
+def test_accuracy_plot_reads_at_a_glance_whatever_the_range() -> None:
+    """Issue 30: a 2-round run spanning 39.25-40.75% autoscaled into what looked like a collapse."""
+    rows = [{"round": 1, "test_acc": 0.4075}, {"round": 2, "test_acc": 0.3925}]
+    fig = accuracy_figure(rows, "mnist5k_semifl", "semifl", num_classes=10, subtitle="semifl on mnist5k, seed 0")
+    ax = fig.axes[0]
+    assert_accuracy_axis(ax, 10.0)
+    entries = assert_legend_outside_the_axes(fig)
+    assert entries == ["semifl: 39.2%", "chance (1/10): 10.0%"]
+    assert ax.get_title() == "mnist5k_semifl: test accuracy\nsemifl on mnist5k, seed 0"
+    unknown = accuracy_figure(rows, "r", "semifl")  # a run folder written before summary.json had num_classes
+    assert_accuracy_axis(unknown.axes[0], None)
 
 
 def test_bytes_plot_has_a_unit_no_offset_and_the_wire_line() -> None:
@@ -73,6 +109,19 @@ def test_bytes_plot_has_a_unit_no_offset_and_the_wire_line() -> None:
     assert payload.get_label() == "algorithm payload" and [bar.get_height() for bar in payload] == [3.0]
     local = bytes_figure([{"round": 1, "bytes_up": 10, "bytes_down": 10}], "run")
     assert not any("wire" in label for ax in local.axes for label in lines_by_label(ax))
+
+
+def test_bytes_plot_has_one_legend_outside_and_says_when_nothing_was_sent() -> None:
+    """server_only sends nothing up: that panel says so and draws nothing, and no legend sits on it."""
+    rows = [{"round": n, "bytes_up": 0, "bytes_down": 80} for n in (1, 2, 3)]
+    fig = bytes_figure(rows, "server_only", subtitle="server_only on mnist5k, cnn28-bn, local, seed 0")
+    up, down = fig.axes
+    assert assert_legend_outside_the_axes(fig) == ["algorithm payload"]
+    assert not up.containers and not up.get_lines()
+    assert [t.get_text() for t in up.texts] == ["nothing sent this way"]
+    assert not down.texts and [bar.get_height() for bar in down.containers[0]] == [80, 80, 80]
+    assert fig.get_suptitle() == "server_only: bytes per round\nserver_only on mnist5k, cnn28-bn, local, seed 0"
+    assert [float(t) for t in visible_ticks(up)] == [1.0, 2.0, 3.0]
 
 
 def test_metric_tags_fall_into_four_groups() -> None:
@@ -179,8 +228,8 @@ def test_run_draws_its_compare_with_baselines_on_accuracy_png(tmp_path: Path, mo
     figures = []
     real = tracking.accuracy_figure
 
-    def keep(rows, title, label="", baselines=None):
-        figures.append((title, real(rows, title, label, baselines)))
+    def keep(rows, title, *args, **kwargs):
+        figures.append((title, real(rows, title, *args, **kwargs)))
         return figures[-1][1]
 
     monkeypatch.setattr(tracking, "accuracy_figure", keep)
@@ -202,3 +251,26 @@ def test_plot_run_writes_both_pngs(tmp_path: Path) -> None:
     paths = plot_run(run)
     assert [p.name for p in paths] == ["accuracy.png", "bytes.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_a_run_draws_its_plots_with_its_class_count_and_description(small_config, tmp_path, monkeypatch) -> None:
+    """The runtime's plots know the dataset's classes (the chance line) and name the run's algorithm,
+    dataset, model, runtime and seed; summary.json keeps the class count and runtime for later plots."""
+    drawn_figs = {}
+    for name in ("accuracy_figure", "bytes_figure"):
+        real = getattr(tracking, name)
+
+        def keep(*args, _real=real, _name=name, **kwargs):
+            drawn_figs[_name] = _real(*args, **kwargs)
+            return drawn_figs[_name]
+
+        monkeypatch.setattr(tracking, name, keep)
+    res = run_local(small_config("common_args.random_seed=3"), run_dir=tmp_path / "run")
+    assert res.summary["num_classes"] == 10 and res.summary["runtime"] == "local"
+    ax = drawn_figs["accuracy_figure"].axes[0]
+    assert_accuracy_axis(ax, 10.0)
+    assert ax.get_title() == "run: test accuracy\nfedavg_ssl on digits, cnn28-gn, local, seed 3"
+    assert drawn_figs["bytes_figure"].get_suptitle().endswith("fedavg_ssl on digits, cnn28-gn, local, seed 3")
+    plot_run(res.run_dir)  # again from the folder alone (as `fedml-ssfl run` does after the baselines)
+    assert_accuracy_axis(drawn_figs["accuracy_figure"].axes[0], 10.0)
+    assert drawn_figs["accuracy_figure"].axes[0].get_title() == ax.get_title()

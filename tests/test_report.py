@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from fedml_ssfl.report import accuracy_figure, collect_runs, format_duration, report_runs
+from tests.test_plots import assert_legend_outside_the_axes
 
 
 def _fake_run(
@@ -121,8 +122,6 @@ def test_report_table_has_runtime_and_a_readable_status_never_nan(tmp_path: Path
 
 
 def test_report_plot_has_one_line_per_run_named_after_it_and_integer_rounds(tmp_path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     a = _fake_run(tmp_path / "mnist5k_semifl", "semifl", [0.6, 0.8, 0.9])
     _fake_run(a / "compare" / "server_only", "server_only", [0.5, 0.6, 0.7])
     b = _fake_run(tmp_path / "other", "fedseal", [0.4, 0.7, 0.75])
@@ -130,17 +129,76 @@ def test_report_plot_has_one_line_per_run_named_after_it_and_integer_rounds(tmp_
     failed.mkdir()
     (failed / "summary.json").write_text(json.dumps({"status": "failed", "algorithm": "semifl"}))
     fig = accuracy_figure(collect_runs([a, b, failed]))
-    FigureCanvasAgg(fig).draw()
     ax = fig.axes[0]
     labels = [line.get_label() for line in ax.get_lines()]
     assert labels == [
-        "mnist5k_semifl/server_only: 70.00%",
-        "mnist5k_semifl: 90.00%",
-        "other (fedseal): 75.00%",
-        "broken (semifl): failed, no evaluated round",
+        "mnist5k_semifl/server_only (local, seed 0): 70.00%",
+        "mnist5k_semifl (local, seed 0): 90.00%",
+        "other (fedseal, local, seed 0): 75.00%",
+        "broken (semifl, local): failed, no evaluated round",
     ]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
+    assert assert_legend_outside_the_axes(fig) == labels  # no class count in these summaries: no chance line
     assert list(ax.get_lines()[1].get_xdata()) == [1, 2, 3]
     lo, hi = ax.get_xlim()
     ticks = [float(t) for t in ax.get_xticks() if lo <= t <= hi]
     assert ticks and all(t.is_integer() for t in ticks), ticks
+    assert ax.get_title() == "mnist5k_semifl, other, broken: test accuracy\non mnist5k"
+
+
+def _set(run: Path, summary: dict | None = None, **sections: dict) -> Path:
+    """Merge ``sections`` into the run's config.yaml and ``summary`` into its summary.json."""
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if summary:
+        (run / "summary.json").write_text(json.dumps({**json.loads((run / "summary.json").read_text()), **summary}))
+    return run
+
+
+def test_report_labels_tell_runs_apart_by_runtime_seed_and_what_else_differs(tmp_path: Path) -> None:
+    """Issue 30: an MPI run and a GRPC run of one config had the same legend entry."""
+    mpi = _set(_fake_run(tmp_path / "mpi" / "mnist5k_semifl", "semifl", [0.5, 0.6]), {"runtime": "fedml-MPI"})
+    grpc = _set(_fake_run(tmp_path / "grpc" / "mnist5k_semifl", "semifl", [0.5, 0.61]), comm_args={"backend": "GRPC"})
+    seed1 = _fake_run(tmp_path / "seed1", "semifl", [0.4, 0.62], seed=1)
+    strict = _set(_fake_run(tmp_path / "strict", "semifl", [0.3, 0.5]), ssfl_args={"threshold": 0.99})
+    for run in (mpi, grpc, seed1):
+        _set(run, ssfl_args={"threshold": 0.9})
+    for run in (mpi, grpc):  # what the runtime implies, and what changes no result, is not a difference
+        _set(run, common_args={"training_type": "cross_silo"}, device_args={"num_threads": 2})
+    other = _set(_fake_run(tmp_path / "fedseal", "fedseal", [0.3, 0.4]), ssfl_args={"threshold": 0.5})
+    labels = [
+        line.get_label() for line in accuracy_figure(collect_runs([mpi, grpc, seed1, strict, other])).axes[0].lines
+    ]
+    assert labels == [
+        "mnist5k_semifl (fedml-MPI, seed 0, threshold=0.9): 60.00%",  # the runtime summary.json names
+        "mnist5k_semifl (fedml-GRPC, seed 0, threshold=0.9): 61.00%",  # or the config's backend
+        "seed1 (semifl, local, seed 1, threshold=0.9): 62.00%",
+        "strict (semifl, local, seed 0, threshold=0.99): 50.00%",
+        "fedseal (local, seed 0): 40.00%",  # its own threshold is another algorithm's setting: no difference
+    ]
+
+
+def test_report_plot_runs_from_0_to_100_with_each_class_counts_chance_line(tmp_path: Path) -> None:
+    ten = _set(_fake_run(tmp_path / "ten", "semifl", [0.395, 0.405]), {"num_classes": 10})
+    hundred = _set(
+        _fake_run(tmp_path / "hundred", "semifl", [0.2, 0.3]), {"num_classes": 100}, data_args={"dataset": "cifar100"}
+    )
+    fig = accuracy_figure(collect_runs([ten, hundred]))
+    ax = fig.axes[0]
+    assert ax.get_ylim() == (0.0, 100.0)  # a 1-point span stays a 1-point span
+    chance = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_label().startswith("chance")}
+    assert chance == {"chance (1/10): 10.0%": pytest.approx(10.0), "chance (1/100): 1.0%": pytest.approx(1.0)}
+    assert assert_legend_outside_the_axes(fig)[-2:] == ["chance (1/10): 10.0%", "chance (1/100): 1.0%"]
+    assert ax.get_title() == "ten, hundred: test accuracy\non mnist5k, cifar100"
+
+
+def test_report_title_names_a_users_data_by_its_folder_and_shortens_many_names(tmp_path: Path) -> None:
+    runs = [
+        _set(_fake_run(tmp_path / f"a_rather_long_run_name_{i}", "semifl", [0.5]), data_args={"dataset": d, **extra})
+        for i, (d, extra) in enumerate(
+            [("npz", {"data_cache_dir": "/data/shoes"}), ("folder", {"data_cache_dir": "~/pics/"}), ("mnist5k", {})]
+        )
+    ]
+    title = accuracy_figure(collect_runs(runs)).axes[0].get_title()
+    assert title == "a_rather_long_run_name_0 and 2 other runs: test accuracy\non npz shoes, folder pics, mnist5k"

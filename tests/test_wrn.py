@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from fedml_ssfl.models import available_models, build_model, classifier_prefix, count_parameters, model_spec
-from fedml_ssfl.models.wrn import WideResNet
+from fedml_ssfl.models.wrn import WideBlock, WideResNet
 
 
 def wrn_parameter_formula(in_channels: int, num_classes: int, widen: int, depth: int = 28) -> int:
@@ -90,3 +92,47 @@ def test_forward_and_learning_step(norm: str) -> None:
     gray = build_model("wrn28_2", num_classes=3, in_channels=1, image_size=28, norm=norm).eval()
     with torch.no_grad():
         assert gray(torch.randn(2, 1, 28, 28)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("norm", ["bn", "gn"])
+def test_in_place_relu_computes_the_same_values_and_gradients(norm: str) -> None:
+    """The blocks' ReLUs work in place: outputs (train and eval) and gradients bit for bit those of
+    out-of-place ReLUs, in NCHW and channels_last."""
+    torch.manual_seed(0)
+    fast = WideResNet(num_classes=10, depth=10, widen=2, norm=norm)
+    blocks = [m for m in fast.modules() if isinstance(m, WideBlock)]
+    assert blocks and all(b.relu.inplace for b in blocks)
+    x = torch.randn(6, 3, 16, 16)
+    y = torch.randint(0, 10, (6,))
+    for layout in (torch.contiguous_format, torch.channels_last):
+        fast.zero_grad(set_to_none=True)
+        slow = copy.deepcopy(fast)
+        for b in slow.modules():
+            if isinstance(b, WideBlock):
+                b.relu = nn.ReLU(inplace=False)
+        a, b = fast.to(memory_format=layout), slow.to(memory_format=layout)
+        a.train(), b.train()
+        xa, xb = x.clone(memory_format=layout), x.clone(memory_format=layout)
+        out_a, out_b = a(xa), b(xb)
+        assert torch.equal(out_a, out_b)
+        nn.functional.cross_entropy(out_a, y).backward()
+        nn.functional.cross_entropy(out_b, y).backward()
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(pa.grad, pb.grad), name
+        assert torch.equal(xa, xb)  # the input is left as it was
+        for key, value in a.state_dict().items():  # BatchNorm's running statistics too
+            assert torch.equal(value, b.state_dict()[key]), key
+        a.eval(), b.eval()
+        with torch.no_grad():
+            assert torch.equal(a(x), b(x))
+
+
+def test_without_a_norm_layer_the_first_relu_keeps_the_block_input() -> None:
+    """norm "none" (not registered for WRN, but the class takes it): in place would overwrite ``x``,
+    which the identity shortcut adds back."""
+    block = WideBlock(8, 8, 1, "none")
+    assert not block.relu.inplace
+    x = torch.randn(2, 8, 6, 6)
+    before = x.clone()
+    block(x)
+    assert torch.equal(x, before)

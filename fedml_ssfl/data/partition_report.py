@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fedml_ssfl.atomic import atomic_write
 from fedml_ssfl.data.partition import Split
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _size(t: torch.Tensor) -> int:
@@ -90,12 +94,22 @@ def partition_report(split: Split, labels: torch.Tensor, class_names: list[str])
     return "\n".join(lines) + "\n"
 
 
-def save_partition_heatmap(split: Split, labels: torch.Tensor, path: str | Path, title: str = "") -> Path:
-    """Save a clients x classes heat-map of sample counts as a PNG.
+NAMED_TICKS = 30
+"""Up to this many clients (classes) the heat-map ticks every one (and names every class); beyond, a few."""
 
-    Labels-at-client splits get two panels, unlabeled and labeled counts; others one panel of all
-    of each client's samples. Uses matplotlib's Agg canvas directly (no global backend change, no
-    display needed).
+COUNTED_CELLS = 20
+"""Up to this many clients and this many classes each cell also shows its count."""
+
+
+def partition_heatmap(
+    split: Split, labels: torch.Tensor, title: str = "", class_names: list[str] | None = None
+) -> Figure:
+    """A clients x classes heat-map of sample counts (a matplotlib figure, drawn on the Agg canvas).
+
+    Labels-at-client splits get two panels, unlabeled and labeled counts; others one panel of all of
+    each client's samples. Each colour scale starts at 0, so an even (IID) split reads as even;
+    clients are ticked by their integer ids, classes by their names, and small grids print each
+    cell's count.
 
     Parameters
     ----------
@@ -103,31 +117,58 @@ def save_partition_heatmap(split: Split, labels: torch.Tensor, path: str | Path,
         The partition.
     labels : torch.Tensor
         The train labels.
-    path : str or Path
-        Output file; parent folders are created.
     title : str
-        Figure title; the measured R is appended.
-
-    Returns
-    -------
-    Path
-        The written file.
+        The first line of the title (e.g. the run's name and the split); the measured R follows.
+    class_names : list of str, optional
+        The x-axis tick labels; default the class indices.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    panels = [("unlabeled", "unlabeled"), ("labeled", "labeled")] if split.scenario == "client" else [("all", "")]
+    panels = [("unlabeled", "unlabeled samples"), ("labeled", "labeled samples")]
+    if split.scenario != "client":
+        panels = [("all", "samples")]
     k, d = split.num_clients, split.num_classes
-    fig = Figure(figsize=(len(panels) * max(4.0, 0.35 * d + 2.0), max(3.0, 0.3 * k + 1.5)))
+    names = [str(n) for n in class_names] if class_names and len(class_names) == d else [str(c) for c in range(d)]
+    slanted = any(len(n) > 2 for n in names)
+    width = len(panels) * max(4.5, (0.32 if not slanted else 0.4) * min(d, NAMED_TICKS) + 2.5)
+    fig = Figure(figsize=(width, max(3.4, 0.3 * min(k, 40) + 2.0)), layout="constrained")
     FigureCanvasAgg(fig)
-    measured = f"R = {split.measured_r(labels):.3f}"
-    for i, (which, name) in enumerate(panels):
-        hist = split.class_histograms(labels, which)
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        image = ax.imshow(hist if k else np.zeros((1, d)), aspect="auto", cmap="viridis", interpolation="nearest")
-        fig.colorbar(image, ax=ax, label=f"{name} samples".strip())
+    measured = f"measured non-IID level R = {split.measured_r(labels):.3f}"
+    fig.suptitle(f"{title}\n{measured}" if title else measured, fontsize=10)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (which, name) in zip(axes, panels):
+        hist = split.class_histograms(labels, which) if k else np.zeros((1, d))
+        top = max(float(hist.max(initial=0)), 1.0)
+        image = ax.imshow(hist, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0, vmax=top)
+        bar = fig.colorbar(image, ax=ax, label=f"{name} per client and class")
+        bar.locator = MaxNLocator(integer=True)
+        bar.update_ticks()
+        if d <= NAMED_TICKS:
+            ax.set_xticks(range(d), names, rotation=45 if slanted else 0, ha="right" if slanted else "center")
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if k <= NAMED_TICKS:
+            ax.set_yticks(range(max(k, 1)))
+        else:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if 0 < k <= COUNTED_CELLS and d <= COUNTED_CELLS:
+            for (row, col), count in np.ndenumerate(hist):
+                light = count > 0.6 * top  # viridis is yellow at the top of the scale
+                ax.text(col, row, int(count), ha="center", va="center", fontsize=7, color="black" if light else "white")
         ax.set_xlabel("class")
         ax.set_ylabel("client")
-        head = f"{title}  ({measured})" if title else measured
-        ax.set_title(f"{head}\n{name}" if name else head)
-    return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=100, bbox_inches="tight"))
+        if len(panels) > 1:
+            ax.set_title(name, fontsize=9)
+    return fig
+
+
+def save_partition_heatmap(
+    split: Split, labels: torch.Tensor, path: str | Path, title: str = "", class_names: list[str] | None = None
+) -> Path:
+    """Save :func:`partition_heatmap` as a PNG (parent folders are created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = partition_heatmap(split, labels, title, class_names)
+    return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=100))

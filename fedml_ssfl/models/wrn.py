@@ -41,7 +41,11 @@ class WideBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
         self.norm2 = make_norm(norm, planes, WRN_GN_GROUPS)
         self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
-        self.relu = nn.ReLU(inplace=False)
+        # in place: each ReLU's input is a norm layer's own output, which nothing else reads (the
+        # shortcut takes ``x`` or the activated ``pre``), so no copy is made; the same values and
+        # gradients bit for bit, with one activation-sized buffer less per ReLU. Without a norm layer
+        # ("none", not registered) the first ReLU's input would be ``x`` itself, needed by the shortcut.
+        self.relu = nn.ReLU(inplace=not isinstance(self.norm1, nn.Identity))
         self.shortcut: nn.Module | None = None
         if stride != 1 or in_planes != planes:
             self.shortcut = nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False)

@@ -18,15 +18,17 @@ the same outputs for the same config.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .. import seeding
 from ..algorithms.base import Algorithm, Message, message_nbytes
@@ -46,9 +48,12 @@ from ..client_state import (
 from ..config import ConfigError, ExperimentConfig, save_config
 from ..experiment import Experiment
 from ..metrics import evaluate
+from ..report import format_duration
 from ..sampling import sample_clients
-from ..tracking import RunTracker
+from ..tracking import RunTracker, run_description
 from ..training import cosine_lr
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "last.pt"
 
@@ -404,6 +409,87 @@ def is_checkpoint_round(cfg: ExperimentConfig, r: int, end: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# a run's progress
+
+
+def is_terminal(stream: IO[str] | None) -> bool:
+    """Whether ``stream`` is an open terminal (not a file, a pipe or a closed stream)."""
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+class RoundProgress:
+    """A run's progress, one :meth:`update` per round, for both runtimes.
+
+    On a terminal a tqdm bar (rounds done, rate, the last test accuracy). Where the output goes to a
+    file or a pipe (a log file, ``nohup``, a batch job, mpirun's forwarded output) a bar would write
+    a ``\\r`` frame per refresh into it; there each round is one INFO log line instead::
+
+        semifl: round 3/20: test acc 85.20%, 4.1s (12.3s so far, about 1m10s left)
+
+    ``tracking_args.progress_bar: false`` turns both off.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's config (``train_args.comm_round``, ``tracking_args.progress_bar``).
+    start : int
+        Rounds already done (a resumed run).
+    desc : str
+        What the bar or line is about (the algorithm, and the runtime).
+    stream : text stream, optional
+        Where the bar goes (default ``sys.stderr``, as tqdm's); the lines go to this module's logger.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, start: int, desc: str, stream: IO[str] | None = None) -> None:
+        from tqdm.auto import tqdm
+
+        self.total, self.done, self.desc = cfg.train_args.comm_round, start, desc
+        stream = sys.stderr if stream is None else stream
+        on = cfg.tracking_args.progress_bar
+        self.bar = None
+        if on and is_terminal(stream):
+            self.bar = tqdm(
+                total=self.total, initial=start, desc=desc, unit="round", dynamic_ncols=True, leave=True, file=stream
+            )
+        self.lines = on and self.bar is None
+        self.started = self.last = time.monotonic()
+        self.rounds = 0  # rounds of this session (a resumed run's estimate counts only its own)
+
+    def update(self, acc: float | None) -> None:
+        """One more round done; ``acc``: its test accuracy (None when the round was not evaluated)."""
+        now = time.monotonic()
+        seconds, self.last = now - self.last, now
+        self.done += 1
+        self.rounds += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            if acc is not None:
+                self.bar.set_postfix(acc=f"{100 * acc:.2f}%")
+        elif self.lines:
+            so_far = now - self.started
+            left = so_far / self.rounds * max(self.total - self.done, 0)
+            result = f"test acc {100 * acc:.2f}%" if acc is not None else "not evaluated"
+            log.info(
+                "%s: round %d/%d: %s, %s (%s so far, about %s left)",
+                self.desc,
+                self.done,
+                self.total,
+                result,
+                format_duration(seconds),
+                format_duration(so_far),
+                format_duration(left),
+            )
+
+    def close(self) -> None:
+        """Close the bar (a no-op without one; closing twice is fine)."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
 # a run's outputs
 
 
@@ -626,6 +712,7 @@ class RunRecorder:
             "seconds_per_round": totals["seconds"] / max(done, 1),
             "wall_seconds": self.wall_seconds(),
             "measured_non_iid_r": self.measured_r,
+            "num_classes": self.exp.data_info.num_classes,
             "config_fingerprint": cfg.fingerprint(),
             "run_dir": str(self.run_dir),
             **extra,
@@ -633,7 +720,8 @@ class RunRecorder:
         try:
             self._check_run_dir()
             if self.tracker.rows:
-                self.tracker.plot(label=cfg.algorithm)
+                subtitle = run_description(cfg.to_dict(), summary)
+                self.tracker.plot(cfg.algorithm, self.exp.data_info.num_classes, subtitle)
             self.tracker.write_summary(summary)
             self.tracker.write_hparams(cfg.to_dict(), summary)
         except OSError as exc:

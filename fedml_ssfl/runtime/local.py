@@ -20,8 +20,6 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from .. import seeding
 from ..algorithms.base import ClientContext, Message, NonFiniteLossError, message_nbytes
 from ..checkpoint import load_checkpoint
@@ -31,6 +29,7 @@ from ..data import ImageDataset
 from ..experiment import Experiment, build_experiment
 from .common import (
     CHECKPOINT_NAME,
+    RoundProgress,
     RunFailed,
     RunRecorder,
     RunResult,
@@ -117,30 +116,19 @@ def _run_in(
 
     rounds = cfg.train_args.comm_round
     end = rounds if stop_after is None else min(rounds, stop_after)
-    bar = tqdm(
-        range(start, end),
-        total=rounds,
-        initial=start,
-        desc=cfg.algorithm,
-        unit="round",
-        disable=not cfg.tracking_args.progress_bar,
-        dynamic_ncols=True,
-        leave=True,
-    )
+    progress = RoundProgress(cfg, start, cfg.algorithm)
     status = "completed" if end == rounds else "stopped"
     try:
-        for r in bar:
+        for r in range(start, end):
             row = run_round(exp, r, client_states)
-            acc = rec.record(r, row, end, client_states)
-            if acc is not None:
-                bar.set_postfix(acc=f"{100 * acc:.2f}%")
+            progress.update(rec.record(r, row, end, client_states))
     except (NonFiniteLossError, ClientStateError) as exc:
         raise rec.fail(exc) from exc
     finally:
-        bar.close()
+        progress.close()
         rec.close()
         close_client_states(client_states)
-    return rec.result(status)
+    return rec.result(status, runtime="local")
 
 
 def run_round(exp: Experiment, r: int, client_states: MutableMapping[int, dict]) -> dict[str, Any]:

@@ -7,14 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from ...algorithms.base import Message, message_nbytes
 from ...client_state import close_client_states
 from ...config import ExperimentConfig
 from ...experiment import Experiment
 from ...sampling import sample_clients
 from ..common import (
+    RoundProgress,
     RoundStart,
     RunFailed,
     RunRecorder,
@@ -122,15 +121,7 @@ class ServerRuntime:
         self.model_shapes = {k: tuple(v.shape) for k, v in exp.algorithm.model_fn().state_dict().items()}
         self.partial_ok = exp.algorithm.partial_replies
         self.requires_all = exp.algorithm.requires_all_replies
-        self.bar = tqdm(
-            total=rounds,
-            initial=self.round,
-            desc=f"{cfg.algorithm} [FedML {backend}]",
-            unit="round",
-            disable=not cfg.tracking_args.progress_bar,
-            dynamic_ncols=True,
-            leave=True,
-        )
+        self.bar = RoundProgress(cfg, self.round, f"{cfg.algorithm} [FedML {backend}]")
 
     # ---- routing -------------------------------------------------------------------------
     @property
@@ -276,9 +267,7 @@ class ServerRuntime:
         self.last_row = row
         self.round += 1
         self.current, self.payloads, self.awaiting = None, None, {}
-        self.bar.update(1)
-        if acc is not None:
-            self.bar.set_postfix(acc=f"{100 * acc:.2f}%")
+        self.bar.update(acc)
         return row
 
     def client_error(self, up: Failure) -> RunFailed:
