@@ -213,11 +213,18 @@ def test_fedml_runner_script_with_fedmls_own_managers_ends_with_the_simulators_m
 def test_fedml_runner_refuses_a_simulation_config(tmp_path):
     from types import SimpleNamespace
 
+    import yaml
+
     pytest.importorskip("mpi4py")
     from fedml_ssfl.runtime.fedml import hooks as fedml_hooks
 
     config = tmp_path / "c.yaml"
     config.write_text(simulation_config(tmp_path).to_yaml())
+    with pytest.raises(ConfigError, match="training_type cross_silo"):
+        fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, run_id="0"))
+    raw = simulation_config(tmp_path).to_dict()
+    raw["common_args"]["training_type"], raw["comm_args"]["backend"] = "cross_silo", "MPI"
+    config.write_text(yaml.safe_dump(raw))  # FedML's runtime in simulation mode: not FedMLRunner's
     with pytest.raises(ConfigError, match="comm_args.mode: deployment"):
         fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, run_id="0"))
     with pytest.raises(ConfigError, match="hooks.init"):
