@@ -245,3 +245,25 @@ def test_fedml_runner_over_grpc_needs_insecure_said_out_loud(deployment, tmp_pat
     config.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="stock GRPC transport unpickles.*comm_args.insecure: true"):
         fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, role="server", run_id="0"))
+
+
+def test_the_command_partition_export_prints_runs_as_printed_here(tmp_path, capsys):
+    """`partition --export` ends with "run it: mpirun ...": it must start on this machine as printed
+    (Open MPI refuses more processes than cores without --oversubscribe: "not enough slots")."""
+    import os
+    import shlex
+    import subprocess
+
+    from fedml_ssfl.cli import main
+
+    sets = [f"--set={s}" for s in SETTINGS] + [f"--set=common_args.output_dir={tmp_path / 'runs'}"]
+    assert main(["partition", *sets, "--export", str(tmp_path / "data")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("run it: "))
+    words = shlex.split(line[len("run it: ") :])
+    assert words[:3] == ["mpirun", "-np", "4"] and ("--oversubscribe" in words) == (4 > (os.cpu_count() or 1))
+    program = words.index("fedml-ssfl")
+    assert words[program:] == ["fedml-ssfl", "run", "--cf", str((tmp_path / "data" / "deployment.yaml").resolve())]
+    # mpirun's part as printed, with a program that starts in no time (the deployment tests run fedml-ssfl)
+    env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_rmaps_base_oversubscribe"}
+    proc = subprocess.run([*words[:program], "true"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
