@@ -338,10 +338,13 @@ def translate(raw: Mapping[str, Any]) -> Translation:
     optimizer = train.get("federated_optimizer")
     if optimizer is not None and optimizer != FEDML_OPTIMIZER:
         del train["federated_optimizer"]
+        from .config import ExperimentConfig  # the default algorithm's name (same layer)
+
         algorithm = (out.get("ssfl_args") or {}).get("algorithm") if isinstance(out.get("ssfl_args"), dict) else None
+        algorithm = algorithm or f"{ExperimentConfig.algorithm}, the default"
         result.warnings.append(
             f"train_args.federated_optimizer: FedML's {optimizer!r} does not run here: ssfl_args.algorithm "
-            f"({algorithm or 'the default'!s}) trains and aggregates instead; remove the key, or set it to FedAvg"
+            f"({algorithm}) trains and aggregates instead; remove the key, or set it to FedAvg"
         )
 
     # FedML's MPI simulation is the FedML runtime's simulation mode
