@@ -187,6 +187,12 @@ def test_deployment_needs_its_files_named(tmp_path):
         load_config(None, base)
     with pytest.raises(ConfigError, match="backend MPI or GRPC"):
         load_config(None, [*SETTINGS, "comm_args.mode=deployment"])
+    files = ["data_args.local_data=s_{silo}.npz", "data_args.server_data=s.npz", "data_args.test_data=t.npz"]
+    named = load_config(None, [s for s in base if not s.startswith("data_args.dataset=")] + files)
+    assert named.data_args.dataset == "silo_files" and named.common_args.run_name == "silo_files_fedavg_ssl"
+    assert load_config(None, [*base, *files]).data_args.dataset == "digits"  # a dataset the config names stays
+    with pytest.raises(ConfigError, match="set all three to FedMLRunner, or all to files"):
+        load_config(None, [*base, *files, "data_args.test_data=FedMLRunner"])
 
 
 def test_fedml_runner_script_with_fedmls_own_managers_ends_with_the_simulators_model(deployment, tmp_path):

@@ -281,6 +281,11 @@ def test_a_script_config_names_the_fedml_keys_it_does_not_use(script, caplog):
         assert sum(m.startswith(f"{key} is not used") for m in said) == 1, (key, said)
     assert sum(m.startswith("tracking_args.local_log_output_path is FedML's and is ignored") for m in said) == 1
     raw = yaml.safe_load(FEDML_YAML)
+    del raw["data_args"]["dataset"]
+    unnamed = script.folder / "unnamed.yaml"
+    unnamed.write_text(yaml.safe_dump(raw))
+    cfg = hooks.script_config(str(unnamed), argv=[])  # named after the script's data, not a shipped dataset
+    assert cfg.data_args.dataset == "script_data" and cfg.common_args.run_name == "script_data_fedavg_ssl"
     raw["common_args"]["training_type"] = "simulation"
     bad = script.folder / "simulation.yaml"
     bad.write_text(yaml.safe_dump(raw))
