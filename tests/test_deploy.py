@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -157,15 +158,10 @@ PACKED_TOP |= {"ruff.toml", "config"}  # config: FedML's own copy of the job's c
 @pytest.fixture
 def repo_copy(tmp_path):
     """The checkout's files in a fresh git repository, plus what a working copy holds that must never ship."""
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.split()
+    # the checkout as a working copy has it, minus git's own folder and what is heavy and ignored anyway
+    heavy = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info")
     repo = tmp_path / "repo"
-    for name in files:
-        if (ROOT / name).is_file():
-            (repo / name).parent.mkdir(parents=True, exist_ok=True)
-            (repo / name).write_bytes((ROOT / name).read_bytes())
-            (repo / name).chmod((ROOT / name).stat().st_mode)
+    shutil.copytree(ROOT, repo, ignore=heavy)
     for cmd in (
         ["git", "init", "-q"],
         ["git", "add", "-A"],

@@ -249,25 +249,27 @@ def test_the_classes_train_the_scripts_model_on_its_list_and_aggregate_the_silos
     assert all("client_pseudo_acc" not in r for r in metrics(result.run_dir))  # the silos' labels stayed hidden
 
 
-def test_labels_at_client_fedmatch_splits_the_scripts_model_into_sigma_and_psi(script, tmp_path):
+@pytest.mark.parametrize("algorithm", ["fedmatch", "fedsiam"])
+def test_labels_at_client_algorithms_derive_what_they_need_from_the_scripts_model(script, tmp_path, algorithm):
+    """FedMatch's sigma / psi split and FedSiam's layers come from the module itself (no naming rule)."""
+    from fedml_ssfl.algorithms.fedsiam import layer_groups
+
     run = _round_trip(
         script,
         tmp_path,
-        "--set",
-        "ssfl_args.algorithm=fedmatch",
-        "--set",
-        "data_args.label_scenario=client",
-        "--set",
-        "data_args.num_server_labels=0",
-        "--set",
-        "data_args.labels_per_class_client=3",
+        *("--set", f"ssfl_args.algorithm={algorithm}", "--set", "data_args.label_scenario=client"),
+        *("--set", "data_args.num_server_labels=0", "--set", "data_args.labels_per_class_client=3"),
     )
     algo, result = run.aggregator.runtime.exp.algorithm, run.aggregator.result
-    assert result.summary["status"] == "completed"
-    assert sorted(algo.sigma) == sorted(name for name, _ in run.model.named_parameters())  # derived from the module
+    assert result.summary["status"] == "completed" and result.summary["model"] == "script:TinyNet"
+    names = sorted(name for name, _ in run.model.named_parameters())
+    if algorithm == "fedmatch":
+        assert sorted(algo.sigma) == sorted(algo.psi) == names  # every trainable parameter, sigma + psi
+    else:
+        assert list(layer_groups(run.model.state_dict())) == ["body.0", "classifier"]  # the module's own layers
     final = run.model.state_dict()
     assert any(not torch.equal(final[k], run.initial[k]) for k in final)
-    assert all(r.trained and r.msg.weights for _, replies in run.rounds for r in replies)
+    assert all(r.trained and r.msg is not None for _, replies in run.rounds for r in replies)
 
 
 def test_a_script_config_names_the_fedml_keys_it_does_not_use(script, caplog):
