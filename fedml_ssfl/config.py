@@ -527,7 +527,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
     from . import fedml_compat  # FedML's fedml_config.yaml conventions: aliases, ignored keys (warned)
 
-    raw = fedml_compat.apply(raw)
+    raw = fedml_compat.apply(raw, default_algorithm=ExperimentConfig.algorithm)
     valid_sections = [*SECTIONS, "ssfl_args"]
     kwargs: dict[str, Any] = {}
     for section, value in raw.items():

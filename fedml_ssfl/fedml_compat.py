@@ -248,7 +248,7 @@ def _positive_int(where: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-def translate(raw: Mapping[str, Any]) -> Translation:
+def translate(raw: Mapping[str, Any], default_algorithm: str = "") -> Translation:
     """Translate a raw config in FedML's conventions into this package's raw config.
 
     A pure function: ``raw`` is not changed, and nothing is logged (:func:`apply` logs).
@@ -258,6 +258,8 @@ def translate(raw: Mapping[str, Any]) -> Translation:
     ----------
     raw : Mapping
         The YAML-loaded mapping of sections (after ``--set`` overrides).
+    default_algorithm : str
+        ``ssfl_args.algorithm`` where the mapping names none (for the messages).
 
     Returns
     -------
@@ -338,10 +340,8 @@ def translate(raw: Mapping[str, Any]) -> Translation:
     optimizer = train.get("federated_optimizer")
     if optimizer is not None and optimizer != FEDML_OPTIMIZER:
         del train["federated_optimizer"]
-        from .config import ExperimentConfig  # the default algorithm's name (same layer)
-
         algorithm = (out.get("ssfl_args") or {}).get("algorithm") if isinstance(out.get("ssfl_args"), dict) else None
-        algorithm = algorithm or f"{ExperimentConfig.algorithm}, the default"
+        algorithm = algorithm or (f"{default_algorithm}, the default" if default_algorithm else "its default")
         result.warnings.append(
             f"train_args.federated_optimizer: FedML's {optimizer!r} does not run here: ssfl_args.algorithm "
             f"({algorithm}) trains and aggregates instead; remove the key, or set it to FedAvg"
@@ -458,20 +458,22 @@ def _model_norms(name: str) -> tuple[str, ...] | None:
         return None
 
 
-def apply(raw: Mapping[str, Any]) -> dict[str, Any]:
+def apply(raw: Mapping[str, Any], default_algorithm: str = "") -> dict[str, Any]:
     """:func:`translate` ``raw`` and log what was done: a warning per ignored key, notes at INFO.
 
     Parameters
     ----------
     raw : Mapping
         The YAML-loaded mapping of sections.
+    default_algorithm : str
+        ``ssfl_args.algorithm`` where the mapping names none (for the messages).
 
     Returns
     -------
     dict
         The mapping in this package's keys.
     """
-    result = translate(raw)
+    result = translate(raw, default_algorithm)
     for message in result.warnings:
         log.warning("%s", message)
     for message in result.notes:
