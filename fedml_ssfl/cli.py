@@ -415,12 +415,12 @@ def cmd_partition(args: argparse.Namespace) -> int:
     print(f"heat-map: {out}")
     if args.export:
         from .experiment import export_deployment
-        from .runtime.fedml.launch import np_hint
+        from .runtime.fedml.launch import mpirun_command
 
         path = export_deployment(cfg, args.export, backend=args.backend)
         print(f"deployment files and config: {path}")
         if args.backend == "MPI":
-            print(f"run it: {np_hint(load_config(path)).replace('CONFIG', str(path))}")
+            print(f"run it: {mpirun_command(load_config(path), str(path))}")
     return 0
 
 

@@ -283,6 +283,15 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
 ]
 
 
+SCRIPT_DATA = "FedMLRunner"
+"""``data_args.local_data`` / ``server_data`` / ``test_data`` of a FedML script's run
+(:mod:`fedml_ssfl.runtime.fedml.hooks`): the data is the dataset list the script passes to
+``FedMLRunner`` in each process, not files."""
+
+DEPLOYMENT_DATASETS = {"files": "silo_files", "script": "script_data"}
+"""``data_args.dataset`` of a deployment config that names none: the run is named and labelled after
+the data it actually reads (the silos' files, or a FedML script's list), never a shipped dataset."""
+
 RESOURCE_KEYS = ("state_memory_mb", "state_spill_dir", "data_on_device")
 """``device_args`` keys that say how to use the machine's memory and disk (and the device's), not what is
 computed: left out of :meth:`ExperimentConfig.fingerprint`, so a run resumes under another value."""
@@ -500,6 +509,13 @@ def _check_deployment(cfg: ExperimentConfig) -> None:
             "comm_args.mode deployment is a mode of the FedML runtime: set comm_args.backend MPI or GRPC "
             "(and common_args.training_type cross_silo)"
         )
+    keys = ("local_data", "server_data", "test_data")
+    script = [k for k in keys if getattr(d, k) == SCRIPT_DATA]
+    if script and len(script) != len(keys):
+        raise ConfigError(
+            f"data_args.{script[0]} is {SCRIPT_DATA} (a FedML script's dataset list) but data_args."
+            f"{next(k for k in keys if k not in script)} names files: set all three to {SCRIPT_DATA}, or all to files"
+        )
     for key, what in (
         ("local_data", "each silo's own data"),
         ("server_data", "the server's labeled set"),
@@ -548,7 +564,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
     from . import fedml_compat  # FedML's fedml_config.yaml conventions: aliases, ignored keys (warned)
 
-    raw = fedml_compat.apply(raw)
+    raw = fedml_compat.apply(raw, default_algorithm=ExperimentConfig.algorithm)
     valid_sections = [*SECTIONS, "ssfl_args"]
     kwargs: dict[str, Any] = {}
     for section, value in raw.items():
@@ -568,6 +584,9 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(str(exc)) from exc
     algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
     cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
+    if cfg.comm_args.mode == "deployment" and "dataset" not in (raw.get("data_args") or {}):
+        kind = "script" if cfg.data_args.local_data == SCRIPT_DATA else "files"
+        cfg.data_args.dataset = DEPLOYMENT_DATASETS[kind]  # named after the data read, not the default mnist5k
     if "run_name" not in (raw.get("common_args") or {}):
         cfg.common_args.run_name = derived_run_name(cfg.data_args.dataset, algorithm)
     cfg.device_args.using_gpu = cfg.device_args.device == "cuda"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,7 +20,7 @@ from . import seeding
 from .algorithms import registry
 from .algorithms.base import Algorithm, ClientData, DataInfo, ServerData, TrainSettings
 from .atomic import atomic_write
-from .config import ConfigError, ExperimentConfig, partition_options
+from .config import SCRIPT_DATA, ConfigError, ExperimentConfig, partition_options
 from .data import ImageDataset, Split, build_split, load_dataset
 from .data.placement import place_dataset, place_images
 from .models import build_model
@@ -106,11 +107,26 @@ def load_experiment_dataset(cfg: ExperimentConfig) -> ImageDataset:
     return _load_experiment_dataset(cfg)
 
 
+def script_data(cfg: ExperimentConfig) -> bool:
+    """Whether ``cfg``'s data is the dataset list a FedML script passes to ``FedMLRunner`` (not files)."""
+    return deployed(cfg) and cfg.data_args.local_data == SCRIPT_DATA
+
+
+def _refuse_script_data(cfg: ExperimentConfig, key: str) -> None:
+    if getattr(cfg.data_args, key) == SCRIPT_DATA:
+        raise ConfigError(
+            f"data_args.{key}: {SCRIPT_DATA} means the data is the dataset list a FedML script passes to FedMLRunner, "
+            "so only that script can run this config (mpirun -np K+1 python SCRIPT --cf CONFIG); to run it here, "
+            "name the files (docs/deploy.md)"
+        )
+
+
 def _load_experiment_dataset(cfg: ExperimentConfig) -> ImageDataset:
     d = cfg.data_args
     if deployed(cfg):
         from .data.silos import SiloDataError, load_server_dataset
 
+        _refuse_script_data(cfg, "server_data")
         try:
             return load_server_dataset(
                 d.server_data,
@@ -182,7 +198,21 @@ def model_factory(cfg: ExperimentConfig, info: ImageDataset | DataInfo):
     """A zero-argument callable building the configured model for data shaped like ``info``.
 
     ``info`` is the dataset, or (deployment mode, on a silo) the :class:`DataInfo` the server sent.
+
+    Raises
+    ------
+    ConfigError
+        The model is not registered, cannot take the data, or is a FedML script's own model
+        (``script:<class>``), which only that script can build.
     """
+    from .models.script import SCRIPT_MODEL_PREFIX
+
+    if cfg.model_args.model.startswith(SCRIPT_MODEL_PREFIX):
+        raise ConfigError(
+            f"model_args.model {cfg.model_args.model!r}: this run trained a FedML script's own model, which only that "
+            "script builds; run the script (FedMLRunner), or register the model with @register_model "
+            "(fedml_ssfl.models) and name it here"
+        )
     kwargs = {
         "num_classes": info.num_classes,
         "in_channels": info.in_channels,
@@ -274,14 +304,21 @@ def data_info(dataset: ImageDataset) -> DataInfo:
 
 
 def make_algorithm(
-    cfg: ExperimentConfig, info: DataInfo, server: ServerData, device: torch.device, split: Split | None = None
+    cfg: ExperimentConfig,
+    info: DataInfo,
+    server: ServerData,
+    device: torch.device,
+    split: Split | None = None,
+    factory: Callable[[], nn.Module] | None = None,
 ) -> Algorithm:
     """The configured algorithm, seeded, with its model factory (server side not yet set up).
 
     Every process that runs a party of an experiment builds its algorithm here, so the initial
     models are the same wherever it runs (the simulator, a FedML worker, a deployed silo).
+    ``factory`` replaces the registry's model (a FedML script's own module:
+    :func:`~fedml_ssfl.models.script.script_model_factory`).
     """
-    factory = model_factory(cfg, info)
+    factory = factory or model_factory(cfg, info)
     memory_format = cfg.device_args.memory_format
     autocast = cfg.device_args.autocast
 
@@ -309,8 +346,13 @@ def make_algorithm(
     )
 
 
-def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None) -> Experiment:
-    """Load data, partition it, and construct the algorithm (server side not yet set up)."""
+def build_experiment(
+    cfg: ExperimentConfig, dataset: ImageDataset | None = None, factory: Callable[[], nn.Module] | None = None
+) -> Experiment:
+    """Load data (or take ``dataset``), partition it, and construct the algorithm (server side not yet set up).
+
+    ``factory`` builds the model instead of ``model_args.model`` (a FedML script's own module).
+    """
     if cfg.device_args.num_threads:
         torch.set_num_threads(cfg.device_args.num_threads)
     device = resolve_device(cfg)
@@ -327,7 +369,7 @@ def build_experiment(cfg: ExperimentConfig, dataset: ImageDataset | None = None)
         num_classes=dataset.num_classes,
         label_scenario=cfg.data_args.label_scenario,
     )
-    algo = make_algorithm(cfg, info, server, device, split)
+    algo = make_algorithm(cfg, info, server, device, split, factory)
     return Experiment(config=cfg, dataset=dataset, split=split, data_info=info, algorithm=algo, device=device)
 
 
@@ -363,7 +405,9 @@ class SiloExperiment:
         )
 
 
-def build_silo_experiment(cfg: ExperimentConfig, meta, rank: int) -> SiloExperiment:
+def build_silo_experiment(
+    cfg: ExperimentConfig, meta, rank: int, data=None, factory: Callable[[], nn.Module] | None = None
+) -> SiloExperiment:
     """Silo ``rank - 1``'s experiment: its own file (``data_args.local_data``) checked against ``meta``.
 
     Parameters
@@ -374,18 +418,27 @@ def build_silo_experiment(cfg: ExperimentConfig, meta, rank: int) -> SiloExperim
         The server's metadata (class count and names, image shape, normalisation, flips).
     rank : int
         This process's rank (1..K); it serves silo ``rank - 1``.
+    data : fedml_ssfl.data.local_files.LocalImages, optional
+        The silo's data, already read (a FedML script's list: :func:`fedml_ssfl.data.fedml_lists.silo_data`),
+        instead of ``local_data``'s file; checked against ``meta`` all the same.
+    factory : callable, optional
+        Builds the model instead of ``model_args.model`` (a FedML script's own module).
 
     Raises
     ------
     fedml_ssfl.data.silos.SiloDataError
         The silo's file is missing, malformed or disagrees with ``meta`` (the message names it).
     """
-    from .data.silos import load_silo, silo_indices, silo_path
+    from .data.silos import check_silo, load_silo, silo_indices, silo_path
 
     if cfg.device_args.num_threads:
         torch.set_num_threads(cfg.device_args.num_threads)
     device = resolve_device(cfg)
-    data = load_silo(silo_path(cfg.data_args.local_data, rank), meta)
+    if data is None:
+        _refuse_script_data(cfg, "local_data")
+        data = load_silo(silo_path(cfg.data_args.local_data, rank), meta)
+    else:
+        check_silo(data, meta)
     unlabeled, labeled = silo_indices(data.labels)
     if cfg.data_args.label_scenario == "server" and labeled.numel():
         log.warning(
@@ -413,7 +466,7 @@ def build_silo_experiment(cfg: ExperimentConfig, meta, rank: int) -> SiloExperim
         num_classes=meta.num_classes,
         label_scenario=cfg.data_args.label_scenario,
     )
-    algo = make_algorithm(cfg, info, nothing, device)
+    algo = make_algorithm(cfg, info, nothing, device, factory=factory)
     return SiloExperiment(
         config=cfg,
         silo=rank - 1,

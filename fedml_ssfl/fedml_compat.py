@@ -6,13 +6,22 @@ validation (:func:`fedml_ssfl.config.validate`) the raw YAML mapping is translat
 
 * **aliases** become this package's keys (the rules in :func:`translate`):
   ``train_args.client_id_list`` (FedML's edge ids of the silos) gives K, ``device_args.worker_num``
-  is C_k, ``train_args.run_id`` is ``common_args.run_id``, ``partition_method: hetero`` /
-  ``homo`` are ``dirichlet`` / ``iid``, ``comm_args.backend: sp`` is ``local``, a ``cross_silo``
-  run with no backend runs on MPI, and ``device_args.using_gpu: true`` with no ``device`` is
-  ``device: cuda``; an alias that disagrees with the key it stands for is an error naming both;
+  (FedML's count of worker processes) is C_k, or K in ``comm_args.mode: deployment`` (one process
+  per silo), ``train_args.run_id`` is ``common_args.run_id``, ``partition_method: hetero`` /
+  ``homo`` are ``dirichlet`` / ``iid``, ``comm_args.backend: sp`` is ``local``, FedML's MPI
+  simulation (``training_type: simulation`` with ``backend: MPI``) is the FedML runtime's simulation
+  mode (``training_type: cross_silo``, ``comm_args.mode: simulation``), a ``cross_silo`` run with no
+  backend runs on MPI, ``device_args.using_gpu: true`` with no ``device`` is ``device: cuda``, and
+  a ``model_args.model`` that has one normalisation only (FedML's ``lr``: ``none``) takes it when
+  ``model_args.norm`` is not given; an alias that disagrees with the key it stands for is an error
+  naming both;
 * **FedML's keys with no meaning here** (:data:`IGNORED_KEYS`, :data:`IGNORED_SECTIONS`) are
   dropped, with one warning each naming the key and what this package uses instead;
-  ``tracking_args.using_mlops`` / ``enable_wandb: true`` are kept false with a warning;
+  ``tracking_args.using_mlops`` / ``enable_wandb: true`` are kept false with a warning, and
+  ``train_args.federated_optimizer`` other than FedML's default ``FedAvg`` (``FedOpt``,
+  ``FedProx``, ...) is dropped with a warning that ``ssfl_args.algorithm`` runs instead;
+  FedML's ``attack_args`` / ``defense_args`` sections are dropped with a warning while their
+  ``enable_*`` switches are off, and refused when one is on;
 * **backends that need FedML's cloud** (MQTT, S3, ...: :data:`ONLINE_BACKENDS`) are refused;
 * ``train_args.epochs`` (FedML's local epochs) is this package's key (``0`` = off): ``epochs > 0``
   sets T, the local steps per round, to ``epochs x ceil(mean client samples / batch_size)``, resolved
@@ -36,7 +45,13 @@ Where the list of FedML's keys comes from (FedML 0.9.6, the installed ``fedml`` 
 * ``arguments.py``: the command-line flags (taken by ``fedml-ssfl run``, see :mod:`fedml_ssfl.cli`)
   and the keys it reads off the flattened sections (``worker_num``, ``data_file_path``,
   ``partition_file_path``, ``part_file``, ``server_config_path``, ``client_silo_config_paths``);
-* the backend names: ``core/distributed/fedml_comm_manager.py`` and ``constants.py``.
+* the backend names: ``core/distributed/fedml_comm_manager.py`` and ``constants.py``;
+* the keys of FedML's example configs (its repository's ``python/examples/federate/``): the MPI
+  simulation examples (``simulation/mpi_torch_fedavg_mnist_lr_example``: ``attack_args``,
+  ``defense_args``; the FedOpt / FedProx configs: ``server_optimizer``, ``server_lr``,
+  ``server_momentum``) and the GRPC cross-silo step-by-step example
+  (``cross_silo/grpc_fedavg_mnist_lr_example/step_by_step``: ``tracking_args.local_log_output_path``),
+  which FedML 0.9.6's own package does not read.
 
 This module does not import FedML.
 """
@@ -63,6 +78,14 @@ _MODEL_FILES = "the server keeps its model in memory and checkpoints under <run 
 _COMM_FILES = "MPI needs no such file; GRPC reads its peers from comm_args.grpc_ipconfig_path"
 _MOBILE = "FedML's mobile clients are not supported; for edge devices see `fedml-ssfl export` (docs/edge.md)"
 _IDENTITY = "a process's identity here is `fedml-ssfl run --rank N` (0 = the server)"
+_SERVER_OPT = (
+    "FedML's FedOpt server optimiser; the server's update here is the algorithm's own (ssfl_args.algorithm, "
+    "e.g. FedAvg-SSL's average with the server model)"
+)
+_LOG_DIR = (
+    "FedML's log folder (FedML 0.9.6 itself does not read it); fedml_ssfl logs to stderr and writes metrics.jsonl, "
+    "summary.json and TensorBoard events into the run folder under common_args.output_dir"
+)
 
 IGNORED_SECTIONS: dict[str, str] = {
     "environment_args": "FedML's platform bootstrap; install fedml_ssfl on each machine yourself (docs/deploy.md)",
@@ -100,6 +123,9 @@ IGNORED_KEYS: dict[str, dict[str, str]] = {
     "train_args": {
         "client_id": _IDENTITY,
         "server_id": _IDENTITY,
+        "server_optimizer": _SERVER_OPT,
+        "server_lr": _SERVER_OPT,
+        "server_momentum": _SERVER_OPT,
     },
     "device_args": {
         "is_mobile": _MOBILE,
@@ -117,6 +143,7 @@ IGNORED_KEYS: dict[str, dict[str, str]] = {
         "wandb_name": _RUN_NAME,
         "run_name": _RUN_NAME,
         "log_server_url": OFFLINE,
+        "local_log_output_path": _LOG_DIR,
     },
 }
 """FedML's keys with no meaning here, per section, with what this package uses instead."""
@@ -137,6 +164,17 @@ ONLINE_BACKENDS: dict[str, str] = {
 
 OFF_SWITCHES = ("using_mlops", "enable_wandb")
 """``tracking_args`` keys this package has but keeps false."""
+
+SWITCHED_SECTIONS: dict[str, str] = {
+    "attack_args": "FedML's attack simulation",
+    "defense_args": "FedML's robust-aggregation defenses",
+}
+"""FedML's sections that are dropped (with a warning) while every ``enable_*`` key in them is false,
+and refused when one is true: this package has neither."""
+
+FEDML_OPTIMIZER = "FedAvg"
+"""FedML's default ``train_args.federated_optimizer``, accepted without a word: every algorithm here
+averages the clients' models in its own way (``ssfl_args.algorithm``)."""
 
 
 @dataclass
@@ -210,7 +248,7 @@ def _positive_int(where: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-def translate(raw: Mapping[str, Any]) -> Translation:
+def translate(raw: Mapping[str, Any], default_algorithm: str = "") -> Translation:
     """Translate a raw config in FedML's conventions into this package's raw config.
 
     A pure function: ``raw`` is not changed, and nothing is logged (:func:`apply` logs).
@@ -220,6 +258,8 @@ def translate(raw: Mapping[str, Any]) -> Translation:
     ----------
     raw : Mapping
         The YAML-loaded mapping of sections (after ``--set`` overrides).
+    default_algorithm : str
+        ``ssfl_args.algorithm`` where the mapping names none (for the messages).
 
     Returns
     -------
@@ -235,6 +275,17 @@ def translate(raw: Mapping[str, Any]) -> Translation:
     out: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
     result = Translation(raw=out)
 
+    for section, what in SWITCHED_SECTIONS.items():
+        if section not in out:
+            continue
+        body = out.pop(section)
+        on = sorted(k for k, v in (body.items() if isinstance(body, Mapping) else []) if k.startswith("enable_") and v)
+        if on:
+            raise ConfigError(
+                f"{section}.{on[0]}: true asks for {what}, which fedml_ssfl does not have; set it to false or remove "
+                f"the {section} section"
+            )
+        result.warnings.append(f"section {section} is FedML's and is ignored: {what} (every enable_* key is off)")
     for section, reason in IGNORED_SECTIONS.items():
         if section in out:
             del out[section]
@@ -285,17 +336,47 @@ def translate(raw: Mapping[str, Any]) -> Translation:
                 "recorded, K stays train_args.client_num_in_total"
             )
 
-    # C_k from FedML's worker count
+    # FedML's algorithm name: FedAvg (its default) is what the algorithms here do; others do not run
+    optimizer = train.get("federated_optimizer")
+    if optimizer is not None and optimizer != FEDML_OPTIMIZER:
+        del train["federated_optimizer"]
+        algorithm = (out.get("ssfl_args") or {}).get("algorithm") if isinstance(out.get("ssfl_args"), dict) else None
+        algorithm = algorithm or (f"{default_algorithm}, the default" if default_algorithm else "its default")
+        result.warnings.append(
+            f"train_args.federated_optimizer: FedML's {optimizer!r} does not run here: ssfl_args.algorithm "
+            f"({algorithm}) trains and aggregates instead; remove the key, or set it to FedAvg"
+        )
+
+    # FedML's MPI simulation is the FedML runtime's simulation mode
+    if common.get("training_type") == "simulation" and comm.get("backend") == "MPI":
+        if comm.get("mode", "simulation") != "simulation":
+            raise ConfigError(
+                f"common_args.training_type simulation (FedML's MPI simulation) does not go with comm_args.mode "
+                f"{comm['mode']!r}: set training_type: cross_silo for a deployment, or drop comm_args.mode"
+            )
+        common["training_type"] = "cross_silo"
+        result.notes.append(
+            "common_args.training_type: FedML's MPI simulation (simulation + backend MPI) is training_type "
+            "cross_silo with comm_args.mode simulation: every process loads the data, C_k + 1 processes"
+        )
+
+    # FedML's worker count: the worker processes (C_k; K in deployment mode, one per silo)
     if "worker_num" in device:
         workers = _positive_int("device_args.worker_num", device.pop("worker_num"))
-        per_round = train.get("client_num_per_round")
-        if per_round is None:
-            train["client_num_per_round"] = workers
-            result.notes.append(f"device_args.worker_num: {workers} -> train_args.client_num_per_round C_k = {workers}")
-        elif per_round != workers:
+        deployment = comm.get("mode") == "deployment"
+        key, symbol, meaning = (
+            ("client_num_in_total", "K", "one process per silo in comm_args.mode deployment")
+            if deployment
+            else ("client_num_per_round", "C_k", "the silos trained per round")
+        )
+        given = train.get(key)
+        if given is None:
+            train[key] = workers
+            result.notes.append(f"device_args.worker_num: {workers} -> train_args.{key} {symbol} = {workers}")
+        elif given != workers:
             raise ConfigError(
-                f"device_args.worker_num ({workers}) and train_args.client_num_per_round ({per_round!r}) disagree: "
-                "FedML's worker_num is C_k, the silos trained per round; drop worker_num or make them equal"
+                f"device_args.worker_num ({workers}) and train_args.{key} ({given!r}) disagree: FedML's worker_num "
+                f"counts the worker processes, here {symbol} ({meaning}); drop worker_num or make them equal"
             )
 
     # FedML's run id
@@ -351,26 +432,48 @@ def translate(raw: Mapping[str, Any]) -> Translation:
         device["device"] = "cuda"
         result.notes.append("device_args.using_gpu: true with no device_args.device -> device: cuda")
 
+    # a model with one normalisation only (FedML's lr: none) takes it when model_args.norm is not given
+    model = out.get("model_args")
+    if isinstance(model, dict) and isinstance(model.get("model"), str) and "norm" not in model:
+        norms = _model_norms(model["model"])
+        if norms is not None and len(norms) == 1:
+            model["norm"] = norms[0]
+            result.notes.append(
+                f"model_args.model {model['model']!r} has one normalisation: model_args.norm = {norms[0]!r}"
+            )
+
     for section in ("common_args", "data_args", "train_args", "device_args", "comm_args", "tracking_args"):
         if section not in raw and out.get(section) == {}:
             del out[section]
     return result
 
 
-def apply(raw: Mapping[str, Any]) -> dict[str, Any]:
+def _model_norms(name: str) -> tuple[str, ...] | None:
+    """The normalisations registered model ``name`` supports (None for an unknown name: validation names it)."""
+    from .models import model_spec
+
+    try:
+        return model_spec(name).norms
+    except ValueError:
+        return None
+
+
+def apply(raw: Mapping[str, Any], default_algorithm: str = "") -> dict[str, Any]:
     """:func:`translate` ``raw`` and log what was done: a warning per ignored key, notes at INFO.
 
     Parameters
     ----------
     raw : Mapping
         The YAML-loaded mapping of sections.
+    default_algorithm : str
+        ``ssfl_args.algorithm`` where the mapping names none (for the messages).
 
     Returns
     -------
     dict
         The mapping in this package's keys.
     """
-    result = translate(raw)
+    result = translate(raw, default_algorithm)
     for message in result.warnings:
         log.warning("%s", message)
     for message in result.notes:

@@ -530,6 +530,7 @@ def export_model(
     min_agreement: float = MIN_AGREEMENT,
     batch_size: int = DEFAULT_ORT_BATCH,
     source: dict[str, Any] | None = None,
+    unlabeled_source: str = "client_unlabeled",
 ) -> ExportReport:
     """Export ``model`` (any registry model) and verify every artifact.
 
@@ -548,6 +549,10 @@ def export_model(
         Client (unlabeled) images: int8 agreement / mask rate are measured on the first,
         activation ranges calibrated on the second. ``calibration_images`` is needed when
         ``quantize``.
+    unlabeled_source : str
+        What ``unlabeled_images`` are, as the report's ``agreement_measured_on`` says:
+        ``"client_unlabeled"``, or ``"server_labeled"`` (a deployment's server, which holds no
+        client image).
     opset, dynamo : int, bool
         ONNX opset; use the dynamo exporter (the legacy one is the fallback either way).
     quantize : bool
@@ -626,7 +631,7 @@ def export_model(
             t = time.perf_counter()
             int8_ort = _quantize_and_gate(report, onnx_path, float_session, float_test, meta, thresholds, images,
                                           labels, unlabeled_images, calibration_images, max_acc_drop, min_agreement,
-                                          Path(tmp), batch)
+                                          Path(tmp), batch, unlabeled_source)
             pairs.append((int8_ort.ort_source, int8_ort.ort_path))
             report.seconds["int8"] = time.perf_counter() - t
         else:
@@ -643,7 +648,7 @@ def export_model(
 def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, float_test: Predictions,
                        meta: EdgeMetadata, thresholds: np.ndarray, images: np.ndarray, labels: np.ndarray | None,
                        unlabeled_images, calibration_images, max_acc_drop: float, min_agreement: float,
-                       tmp: Path, batch: int | None) -> _Artifacts:
+                       tmp: Path, batch: int | None, unlabeled_source: str = "client_unlabeled") -> _Artifacts:
     from .quantize import quantize_int8
 
     out = onnx_path.parent
@@ -668,7 +673,8 @@ def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, flo
     for name, session in (("int8_gates", q_session), ("int8_ort_gates", ort_session)):
         q_test = verify.run_session(session, images, thresholds)
         q_unl = verify.run_session(session, unl, thresholds) if unl is not None else None
-        result = verify.compare_int8(float_test, q_test, gate_labels, float_unl, q_unl, max_acc_drop, min_agreement)
+        result = verify.compare_int8(float_test, q_test, gate_labels, float_unl, q_unl, max_acc_drop, min_agreement,
+                                     unlabeled_source)
         result["accuracy_against"] = "test labels" if labels is not None else "float model labels"
         report.record(name, result)
     report.artifacts["int8_onnx"] = verify.artifact_info(q_path)
@@ -786,18 +792,25 @@ def select_weights(payload: dict[str, Any], key: str, where: Path) -> dict[str, 
     return node
 
 
-def client_image_pools(cfg, dataset, calibration_samples: int, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint calibration and evaluation samples of the clients' unlabeled training images (seeded)."""
-    from fedml_ssfl.experiment import make_split
+def client_image_pools(cfg, dataset, calibration_samples: int,
+                       eval_samples: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """Disjoint calibration and evaluation samples of the training images the exporting party holds (seeded).
+
+    In simulation the clients' unlabeled images (``"client_unlabeled"``). In a deployment the export
+    runs where the run folder is, on the server, which holds no client image: its own labeled (and
+    validation) images (``"server_labeled"``). The third value names which, for the report.
+    """
+    from fedml_ssfl.experiment import deployed, make_split
 
     split = make_split(cfg, dataset)
     pools = [idx for idx in split.client_unlabeled if idx.numel()]
-    idx = torch.cat(pools).numpy() if pools else np.arange(len(dataset.train_images))
+    where = "client_unlabeled" if pools and not deployed(cfg) else "server_labeled"
+    idx = torch.cat(pools).numpy() if where == "client_unlabeled" else np.arange(len(dataset.train_images))
     rng = np.random.default_rng(cfg.common_args.random_seed)
     idx = rng.permutation(np.unique(idx))
     n_cal = min(calibration_samples, max(len(idx) // 2, 1))
     images = dataset.train_images.numpy()
-    return images[np.sort(idx[:n_cal])], images[np.sort(idx[n_cal : n_cal + eval_samples])]
+    return images[np.sort(idx[:n_cal])], images[np.sort(idx[n_cal : n_cal + eval_samples])], where
 
 
 def export_run(
@@ -890,13 +903,14 @@ def export_run(
     )
     n_test = len(dataset.test_images)
     n = n_test if parity_samples == 0 else min(n_test, parity_samples or DEFAULT_PARITY_SAMPLES)
-    calib, unlabeled = client_image_pools(cfg, dataset, calibration_samples, n)
+    calib, unlabeled, held = client_image_pools(cfg, dataset, calibration_samples, n)
     src = {"source": str(source), "checkpoint": str(run.checkpoint_path), "config": str(run.config_path),
-           "weights": weights, "test_images": n, "test_images_available": n_test}
+           "weights": weights, "test_images": n, "test_images_available": n_test, "agreement_images": held}
     return export_model(
         net, out_dir, meta, test_images=dataset.test_images[:n].numpy(), test_labels=dataset.test_labels[:n].numpy(),
         unlabeled_images=unlabeled, calibration_images=calib, opset=opset, dynamo=dynamo, quantize=quantize,
         max_acc_drop=max_acc_drop, min_agreement=min_agreement, batch_size=batch_size, source=src,
+        unlabeled_source=held,
     )
 
 

@@ -282,12 +282,15 @@ def compare_float(reference: Predictions, got: Predictions, rtol: float = PROB_R
 
 def compare_int8(float_test: Predictions, int8_test: Predictions, test_labels: np.ndarray,
                  float_unlabeled: Predictions | None, int8_unlabeled: Predictions | None,
-                 max_acc_drop: float, min_agreement: float) -> dict[str, Any]:
+                 max_acc_drop: float, min_agreement: float,
+                 unlabeled_source: str = "client_unlabeled") -> dict[str, Any]:
     """The int8 gates: test accuracy drop, pseudo-label agreement, mask-rate movement.
 
     Agreement is measured on client (unlabeled) data where given, as that is where
     pseudo-labels are made, and always reported on the test set too. The gate uses the
-    unlabeled figure when there is one, else the test figure.
+    unlabeled figure when there is one, else the test figure. ``unlabeled_source`` names the
+    images given as unlabeled (``agreement_measured_on``): ``"client_unlabeled"``, or
+    ``"server_labeled"`` where the exporting party (a deployment's server) holds no client image.
     """
     acc_f, acc_q = float_test.accuracy(test_labels), int8_test.accuracy(test_labels)
     out: dict[str, Any] = {
@@ -305,7 +308,7 @@ def compare_int8(float_test: Predictions, int8_test: Predictions, test_labels: n
     where = "test"
     if float_unlabeled is not None and int8_unlabeled is not None and len(float_unlabeled.label):
         agreement = float((float_unlabeled.label == int8_unlabeled.label).mean())
-        where = "client_unlabeled"
+        where = unlabeled_source
         out.update({
             "unlabeled_samples": len(float_unlabeled.label),
             "unlabeled_label_agreement": agreement,

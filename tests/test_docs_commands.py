@@ -114,8 +114,8 @@ EXCLUDED: dict[str, str] = {
 
 RUN: dict[str, str | None] = {
     r"^fedml-ssfl\b": None,
-    r"^mpirun -np \d+ --oversubscribe (fedml-ssfl|python deploy/fedml_runner\.py) ": None,
-    r"^deploy/(run_mpi|make_test_certs)\.sh ": None,
+    r"^mpirun -np \d+ --oversubscribe (fedml-ssfl|python deploy/[\w/]+\.py) ": None,  # FedML scripts in deploy/
+    r"^deploy/(run_mpi|make_test_certs|build_launch)\.sh ": None,  # build_launch: FedML's build, offline
     r"^python (-c |-m mobile_export |edge_label\.py )": None,
     # smoke-sized by FEDML_SSFL_SET (round_speed, first_round) or by their own arguments
     r"^python benchmarks/(round_speed\.py --rows |first_round\.py |stacked_clients\.py --algorithms )": None,

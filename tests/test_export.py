@@ -371,6 +371,30 @@ def test_failed_int8_gate_fails_the_export(trained_run, tmp_path):
     assert saved["checks"]["int8_gates"]["failures"]
 
 
+def test_a_deployment_export_measures_agreement_on_the_servers_own_images(trained_run, tmp_path):
+    """A deployment's run folder is on the server, which holds no client image: agreement is on its own."""
+    import shutil
+
+    import yaml
+
+    from fedml_ssfl.experiment import export_deployment
+
+    cfg = load_config(trained_run / "config.yaml")
+    deployment = load_config(export_deployment(cfg, tmp_path / "data"))
+    run = tmp_path / "deployed_run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(deployment.to_dict()))
+    shutil.copy(trained_run / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+    server = load_experiment_dataset(deployment)
+    calib, held, where = ex.client_image_pools(deployment, server, 16, 40)
+    assert where == "server_labeled" and len(calib) + len(held) == len(server.train_images) == 50
+    assert ex.client_image_pools(cfg, load_experiment_dataset(cfg), 16, 40)[2] == "client_unlabeled"
+    report = ex.export_run(run, tmp_path / "out", parity_samples=100, calibration_samples=16)
+    assert report.checks["int8_gates"]["agreement_measured_on"] == "server_labeled"
+    assert report.source["agreement_images"] == "server_labeled"
+    assert report.metadata["dataset"] == "digits"  # the exported split's data, as deployment.yaml names it
+
+
 def test_checkpoint_thresholds_and_a_group_model(trained_run, tmp_path):
     ckpt = load_checkpoint(trained_run / "checkpoints" / "last.pt")
     tau = torch.linspace(0.99, 0.9999, 10)  # the fitted model is ~99.5% accurate: lower ones mask nothing

@@ -290,3 +290,193 @@ def test_fedml_style_launch_of_fedmls_template(tmp_path, capsys, caplog):
     assert "--using_mlops true is ignored" in caplog.text
     assert len(compat_warnings(caplog)) == len(TEMPLATE_IGNORED)
     assert main(["run", "--print-config", "--cf", str(path).replace("fedml_config", "nope")]) == 2
+
+
+# Configs of our own in the layout of FedML's repository examples (python/examples/federate/): the MPI
+# simulation (simulation/mpi_torch_fedavg_mnist_lr_example/config/fedml_config.yaml, with the FedOpt
+# keys of FedML's other MPI simulation configs) and the GRPC cross-silo step-by-step example
+# (cross_silo/grpc_fedavg_mnist_lr_example/step_by_step/config/fedml_config.yaml). Same sections and
+# keys; values chosen for this package's shipped data.
+FEDML_MPI_SIMULATION = """
+common_args:
+  training_type: "simulation"
+  random_seed: 0
+data_args:
+  dataset: "digits"
+  data_cache_dir: ~/.cache/fedml_data
+  partition_method: "hetero"
+  partition_alpha: 0.5
+model_args:
+  model: "lr"
+train_args:
+  federated_optimizer: "FedOpt"
+  client_id_list: "[]"
+  client_num_in_total: 10
+  client_num_per_round: 4
+  comm_round: 3
+  epochs: 1
+  batch_size: 10
+  client_optimizer: sgd
+  learning_rate: 0.03
+  weight_decay: 0.001
+  server_optimizer: sgd
+  server_lr: 1.0
+  server_momentum: 0.9
+validation_args:
+  frequency_of_the_test: 5
+device_args:
+  worker_num: 4
+  using_gpu: false
+  gpu_mapping_file: config/gpu_mapping.yaml
+  gpu_mapping_key: mapping_config1_5
+comm_args:
+  backend: "MPI"
+  is_mobile: 0
+tracking_args:
+  enable_wandb: false
+  wandb_key: ee0b5f53d949c84cee7decbe7a629e63fb2f8408
+  wandb_project: fedml
+  wandb_name: fedml_torch_fedavg_mnist_lr
+  using_mlops: false
+attack_args:
+  enable_attack: false
+  attack_type: None
+defense_args:
+  enable_defense: false
+  defense_type: norm_diff_clipping
+  norm_bound: 5.0
+"""
+
+FEDML_GRPC_CROSS_SILO = """
+common_args:
+  training_type: "cross_silo"
+  scenario: "horizontal"
+  using_mlops: false
+  random_seed: 0
+environment_args:
+  bootstrap: config/bootstrap.sh
+data_args:
+  dataset: "digits"
+  data_cache_dir: "../../../../data/mnist"
+  partition_method: "hetero"
+  partition_alpha: 0.5
+model_args:
+  model: "lr"
+  model_file_cache_folder: "./model_file_cache"
+  global_model_file_path: "./model_file_cache/global_model.pt"
+train_args:
+  federated_optimizer: "FedAvg"
+  client_id_list:
+  client_num_in_total: 1000
+  client_num_per_round: 2
+  comm_round: 50
+  epochs: 1
+  batch_size: 10
+  client_optimizer: sgd
+  learning_rate: 0.03
+  weight_decay: 0.001
+validation_args:
+  frequency_of_the_test: 5
+device_args:
+  worker_num: 2
+  using_gpu: false
+  gpu_mapping_file: config/gpu_mapping.yaml
+  gpu_mapping_key: mapping_default
+comm_args:
+  backend: "GRPC"
+  grpc_ipconfig_path: config/grpc_ipconfig.csv
+tracking_args:
+  local_log_output_path: ./log
+  enable_wandb: false
+  wandb_key: ee0b5f53d949c84cee7decbe7a619e63fb1f8408
+  wandb_project: fedml
+  wandb_name: fedml_torch_fedavg_mnist_lr
+"""
+
+WORKS = {  # FedML's key -> where its value lands here (an alias's target, or the same key)
+    "device_args.worker_num": "train_args.client_num_per_round",
+    "data_args.partition_method": None,  # hetero -> dirichlet (checked below)
+    "train_args.client_id_list": None,  # empty: nothing to do
+    "common_args.training_type": None,  # checked below (simulation + MPI -> cross_silo)
+}
+
+
+def _each_key_works_or_is_named(raw: dict, cfg, warnings: list[str]) -> None:
+    """Every key of ``raw``: named in exactly one warning, or its value is in ``cfg`` (under its alias)."""
+    for section, body in raw.items():
+        named = [w for w in warnings if w.startswith(f"section {section} ")]
+        if named:
+            assert len(named) == 1, (section, named)
+            continue
+        for key, value in body.items():
+            dotted = f"{section}.{key}"
+            said = [w for w in warnings if w.startswith((f"{dotted} ", f"{dotted}:"))]
+            if said:
+                assert len(said) == 1, (dotted, said)
+                continue
+            target = WORKS.get(dotted, dotted)
+            if target is None:
+                continue
+            where, name = target.split(".")
+            got = getattr(getattr(cfg, where), name)
+            assert got == value or str(got) == str(value), (dotted, value, got)
+
+
+def test_fedmls_mpi_simulation_layout_runs_as_the_fedml_runtimes_simulation_mode(caplog):
+    from fedml_ssfl.runtime.fedml.launch import world_size
+
+    caplog.set_level(logging.INFO)
+    raw = yaml.safe_load(FEDML_MPI_SIMULATION)
+    cfg = validate(raw)
+    warned = compat_warnings(caplog)
+    named = {w.split(" ")[0].rstrip(":") if not w.startswith("section") else w.split(" ")[1] for w in warned}
+    assert named == {
+        "train_args.federated_optimizer",
+        "train_args.server_optimizer",
+        "train_args.server_lr",
+        "train_args.server_momentum",
+        "comm_args.is_mobile",
+        "tracking_args.wandb_key",
+        "tracking_args.wandb_project",
+        "tracking_args.wandb_name",
+        "attack_args",
+        "defense_args",
+    } and len(warned) == len(named)
+    assert "ssfl_args.algorithm (fedavg_ssl, the default) trains and aggregates" in caplog.text  # not FedOpt
+    # FedML's MPI simulation: the FedML runtime's simulation mode, worker_num + 1 processes
+    assert (cfg.common_args.training_type, cfg.comm_args.backend, cfg.comm_args.mode) == (
+        "cross_silo",
+        "MPI",
+        "simulation",
+    )
+    assert world_size(cfg) == 5 and cfg.train_args.client_num_per_round == 4
+    assert (cfg.model_args.model, cfg.model_args.norm) == ("lr", "none")  # FedML's logistic regression
+    assert cfg.data_args.partition_method == "dirichlet" and cfg.train_args.federated_optimizer == "FedAvg"
+    _each_key_works_or_is_named(raw, cfg, warned)
+    raw["attack_args"]["enable_attack"] = True
+    with pytest.raises(ConfigError, match=r"attack_args\.enable_attack: true asks for FedML's attack simulation"):
+        validate(raw)
+    raw = yaml.safe_load(FEDML_MPI_SIMULATION)
+    raw["comm_args"]["mode"] = "deployment"
+    with pytest.raises(ConfigError, match=r"training_type simulation .* does not go with comm_args\.mode"):
+        validate(raw)
+
+
+def test_fedmls_grpc_step_by_step_layout_loads_with_each_unused_key_named(caplog):
+    caplog.set_level(logging.INFO)
+    raw = yaml.safe_load(FEDML_GRPC_CROSS_SILO)
+    cfg = validate(raw)
+    warned = compat_warnings(caplog)
+    assert sum(w.startswith("tracking_args.local_log_output_path is FedML's and is ignored") for w in warned) == 1
+    assert (cfg.comm_args.backend, cfg.comm_args.mode, cfg.train_args.client_num_per_round) == ("GRPC", "simulation", 2)
+    _each_key_works_or_is_named(raw, cfg, warned)
+    # in deployment mode FedML's worker_num counts one process per silo: K
+    raw["comm_args"]["mode"], raw["device_args"]["worker_num"] = "deployment", 1000
+    raw["data_args"].update(local_data="s_{silo}.npz", server_data="s.npz", test_data="t.npz")
+    raw["train_args"]["epochs"] = 0
+    assert validate(raw).train_args.client_num_in_total == 1000
+    raw["device_args"]["worker_num"] = 2
+    with pytest.raises(
+        ConfigError, match=r"device_args\.worker_num \(2\) and train_args\.client_num_in_total \(1000\)"
+    ):
+        validate(raw)

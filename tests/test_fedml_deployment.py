@@ -187,6 +187,12 @@ def test_deployment_needs_its_files_named(tmp_path):
         load_config(None, base)
     with pytest.raises(ConfigError, match="backend MPI or GRPC"):
         load_config(None, [*SETTINGS, "comm_args.mode=deployment"])
+    files = ["data_args.local_data=s_{silo}.npz", "data_args.server_data=s.npz", "data_args.test_data=t.npz"]
+    named = load_config(None, [s for s in base if not s.startswith("data_args.dataset=")] + files)
+    assert named.data_args.dataset == "silo_files" and named.common_args.run_name == "silo_files_fedavg_ssl"
+    assert load_config(None, [*base, *files]).data_args.dataset == "digits"  # a dataset the config names stays
+    with pytest.raises(ConfigError, match="set all three to FedMLRunner, or all to files"):
+        load_config(None, [*base, *files, "data_args.test_data=FedMLRunner"])
 
 
 def test_fedml_runner_script_with_fedmls_own_managers_ends_with_the_simulators_model(deployment, tmp_path):
@@ -213,11 +219,18 @@ def test_fedml_runner_script_with_fedmls_own_managers_ends_with_the_simulators_m
 def test_fedml_runner_refuses_a_simulation_config(tmp_path):
     from types import SimpleNamespace
 
+    import yaml
+
     pytest.importorskip("mpi4py")
     from fedml_ssfl.runtime.fedml import hooks as fedml_hooks
 
     config = tmp_path / "c.yaml"
     config.write_text(simulation_config(tmp_path).to_yaml())
+    with pytest.raises(ConfigError, match="training_type cross_silo"):
+        fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, run_id="0"))
+    raw = simulation_config(tmp_path).to_dict()
+    raw["common_args"]["training_type"], raw["comm_args"]["backend"] = "cross_silo", "MPI"
+    config.write_text(yaml.safe_dump(raw))  # FedML's runtime in simulation mode: not FedMLRunner's
     with pytest.raises(ConfigError, match="comm_args.mode: deployment"):
         fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, run_id="0"))
     with pytest.raises(ConfigError, match="hooks.init"):
@@ -238,3 +251,25 @@ def test_fedml_runner_over_grpc_needs_insecure_said_out_loud(deployment, tmp_pat
     config.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="stock GRPC transport unpickles.*comm_args.insecure: true"):
         fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, role="server", run_id="0"))
+
+
+def test_the_command_partition_export_prints_runs_as_printed_here(tmp_path, capsys):
+    """`partition --export` ends with "run it: mpirun ...": it must start on this machine as printed
+    (Open MPI refuses more processes than cores without --oversubscribe: "not enough slots")."""
+    import os
+    import shlex
+    import subprocess
+
+    from fedml_ssfl.cli import main
+
+    sets = [f"--set={s}" for s in SETTINGS] + [f"--set=common_args.output_dir={tmp_path / 'runs'}"]
+    assert main(["partition", *sets, "--export", str(tmp_path / "data")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("run it: "))
+    words = shlex.split(line[len("run it: ") :])
+    assert words[:3] == ["mpirun", "-np", "4"] and ("--oversubscribe" in words) == (4 > (os.cpu_count() or 1))
+    program = words.index("fedml-ssfl")
+    assert words[program:] == ["fedml-ssfl", "run", "--cf", str((tmp_path / "data" / "deployment.yaml").resolve())]
+    # mpirun's part as printed, with a program that starts in no time (the deployment tests run fedml-ssfl)
+    env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_rmaps_base_oversubscribe"}
+    proc = subprocess.run([*words[:program], "true"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -28,6 +28,7 @@ CASES: dict[str, tuple[int, int, int, int, float]] = {
     "resnet9": (3, 8, 10, 3, 0.002),
     "fedsiam_cifar_cnn": (3, 8, 10, 20, 0.03),
     "fedsiam_mnist_cnn": (1, 28, 10, 15, 0.05),
+    "lr": (1, 8, 10, 15, 0.05),  # FedML's logistic regression
 }
 GENERIC_CASE = (10, 1, 0.01)
 """(num_classes, sgd_steps, lr) for models registered elsewhere (e.g. the WRNs), which run at
@@ -88,11 +89,11 @@ def test_model_forward_train_roundtrip(name: str, norm: str) -> None:
         out = model(x)
     assert out.shape == (BATCH, classes)
     assert out.dtype == torch.float32
-    assert isinstance(model.fc, nn.Linear)
-    assert model.fc.out_features == classes
-    assert classifier_prefix(model) == "fc"
-    fc_keys = sorted(k for k in model.state_dict() if k.split(".")[0].startswith("fc"))
-    assert fc_keys == ["fc.bias", "fc.weight"]
+    prefix = classifier_prefix(model, in_channels=in_ch, image_size=size)
+    assert prefix == ("linear" if name == "lr" else "fc")
+    head = model.get_submodule(prefix)
+    assert isinstance(head, nn.Linear) and head.out_features == classes
+    assert sorted(k for k in model.state_dict() if k.startswith(prefix + ".")) == [f"{prefix}.bias", f"{prefix}.weight"]
 
     # A few SGD steps on a fixed batch lower the loss (measured in train mode with a fixed
     # dropout seed, so before/after see the same masks).
@@ -211,7 +212,7 @@ def test_in_channels_restriction(monkeypatch: pytest.MonkeyPatch) -> None:
 
     @register_model("tmp_rgb_only", norms=("none",), in_channels=(3,), description="test model")
     def _tmp(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
-        net = nn.Module()
+        net = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
         net.fc = nn.Linear(in_channels, num_classes)
         return net
 
@@ -234,19 +235,55 @@ def test_duplicate_registration_refused(monkeypatch: pytest.MonkeyPatch) -> None
     assert model_spec("cnn28") is before
 
 
-def test_model_without_fc_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_head_is_found_whatever_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No naming rule: the head is the last layer with parameters producing the logits (a forward pass)."""
     monkeypatch.setattr(registry_mod, "_REGISTRY", dict(registry_mod._REGISTRY))
 
-    @register_model("tmp_no_fc", norms=("none",))
-    def _no_fc(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
-        """A model that breaks the classifier naming contract."""
-        return nn.Linear(in_channels, num_classes)
+    class HeadFirst(nn.Module):  # the head is registered before the body, and named "out"
+        def __init__(self, num_classes: int, in_channels: int) -> None:
+            super().__init__()
+            self.out = nn.Sequential(nn.ReLU(), nn.Linear(8, num_classes))
+            self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+            self.scale = nn.Linear(num_classes, num_classes)  # defined last, never run
 
-    assert model_spec("tmp_no_fc").description == "A model that breaks the classifier naming contract."
-    with pytest.raises(TypeError, match="fc"):
-        build_model("tmp_no_fc", num_classes=2, in_channels=3, image_size=8, norm="none")
-    with pytest.raises(ValueError, match="fc"):
-        classifier_prefix(nn.Linear(2, 2))
+        def forward(self, x):
+            return self.out(self.body(x))
+
+    @register_model("tmp_head_first", norms=("none",))
+    def _head_first(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
+        """A model whose head is neither named fc nor defined last."""
+        return HeadFirst(num_classes, in_channels)
+
+    assert model_spec("tmp_head_first").description == "A model whose head is neither named fc nor defined last."
+    net = build_model("tmp_head_first", num_classes=4, in_channels=3, image_size=8, norm="none")
+    assert classifier_prefix(net, in_channels=3, image_size=8) == "out.1"
+    assert (
+        classifier_prefix(
+            build_model("lr", num_classes=3, in_channels=1, image_size=8, norm="none"), in_channels=1, image_size=8
+        )
+        == "linear"
+    )
+
+
+def test_a_model_that_returns_no_logits_is_refused_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_mod, "_REGISTRY", dict(registry_mod._REGISTRY))
+
+    @register_model("tmp_features", norms=("none",))
+    def _features(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(in_channels, 5, 3), nn.Flatten())  # (N, 5 * 6 * 6): not logits
+
+    @register_model("tmp_no_forward", norms=("none",))
+    def _no_forward(*, num_classes: int, in_channels: int, image_size: int, norm: str) -> nn.Module:
+        net = nn.Module()
+        net.fc = nn.Linear(in_channels, num_classes)  # a layer named fc is no longer enough: it must run
+        return net
+
+    with pytest.raises(TypeError, match=r"model 'tmp_features' returns \(2, 180\).*logits \(2, 2\)"):
+        build_model("tmp_features", num_classes=2, in_channels=3, image_size=8, norm="none")
+    with pytest.raises(TypeError, match=r"model 'tmp_no_forward' fails on a batch of images shaped like the data"):
+        build_model("tmp_no_forward", num_classes=2, in_channels=3, image_size=8, norm="none")
+    with pytest.raises(ValueError, match="no layer with parameters"):
+        classifier_prefix(nn.Flatten(), in_channels=1, image_size=2)
 
 
 def test_make_norm() -> None:

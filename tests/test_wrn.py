@@ -53,7 +53,7 @@ def test_parameter_formula_matches_other_shapes(widen: int, channels: int, class
 
 def test_layout_and_norms() -> None:
     bn = build_model("wrn28_2", num_classes=10, in_channels=3, image_size=32, norm="bn")
-    assert classifier_prefix(bn) == "fc"
+    assert classifier_prefix(bn, in_channels=3, image_size=32) == "fc"
     assert sorted(k for k in bn.state_dict() if k.startswith("fc")) == ["fc.bias", "fc.weight"]
     assert [len(getattr(bn, f"block{i}")) for i in (1, 2, 3)] == [4, 4, 4]  # (28 - 4) / 6
     convs = [m for m in bn.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]

@@ -14,7 +14,8 @@ Labels-at-server. Every round, from the global model ``w_avg``:
 
 The learning rate follows Eq. 9 (``train_args.lr_*``). Each round logs the weight diversity of
 Eq. 8 (``sum ||g_i||^2 / ||sum g_i||^2`` with ``g_i = w_i - w_avg``) over the parameters of the
-classifier layer, as the authors plot it, and over all parameters.
+classifier layer, as the authors plot it (``weight_diversity_fc``: the head a forward pass finds,
+whatever its name; absent for a model whose head it cannot find), and over all parameters.
 
 Defaults follow the paper: tau = 0.95, S = 2, CRL, training from a random model. Where the paper
 is silent the authors' code (github.com/jhcknzzm/SSFL-Benchmarking-Semi-supervised-Federated-
@@ -75,6 +76,7 @@ from torch import nn
 from .. import seeding
 from ..aggregation import fedavg_with_server, grouping_average, weight_diversity
 from ..errors import ConfigError
+from ..models.head import find_classifier, head_keys
 from ..ssl import masked_consistency_loss
 from ..stacked import TRUTH, JobResult, LocalJob
 from ..training import (
@@ -192,6 +194,7 @@ class FedAvgSSL(JobAlgorithm):
     name = "fedavg_ssl"
     config_class = FedAvgSSLConfig
     _param_names: list[str] | None = None  # the model's parameter names, found on first use (client or server)
+    _head: list[str] | None = None  # the classifier head's parameter names, found on first use (a forward pass)
 
     def setup(self) -> None:
         super().setup()
@@ -206,6 +209,15 @@ class FedAvgSSL(JobAlgorithm):
             with torch.random.fork_rng(devices=[]):  # building a model must not move the seeded streams
                 self._param_names = [name for name, _ in self.model_fn().named_parameters()]
         return self._param_names
+
+    def head_names(self) -> list[str]:
+        """The parameters of the model's classifier head, whatever it is called (a forward pass finds it)."""
+        if self._head is None:
+            with torch.random.fork_rng(devices=[]):
+                model = self.model_fn()
+            prefix = find_classifier(model, self.data_info.in_channels, self.data_info.image_size)
+            self._head = head_keys(self.parameter_names(), prefix)
+        return self._head
 
     def optimizer(self, model: nn.Module, buffers: dict[str, torch.Tensor]) -> torch.optim.SGD:
         """SGD (Nesterov by default) continuing the momentum ``buffers`` when they persist."""
@@ -331,11 +343,11 @@ class FedAvgSSL(JobAlgorithm):
                 self.global_state = self._server_state
         else:
             self.global_state = fedavg_with_server(self._server_state, [m.weights for m in live.values()], keys=keys)
-        fc = [k for k in params if k.startswith("fc.")]
-        return {
-            "weight_diversity": weight_diversity(before, participants, params),
-            "weight_diversity_fc": weight_diversity(before, participants, fc) if fc else float("nan"),
-        }
+        head = self.head_names()
+        metrics = {"weight_diversity": weight_diversity(before, participants, params)}
+        if head:  # a model whose head a forward pass cannot find has no such figure (not a NaN)
+            metrics["weight_diversity_fc"] = weight_diversity(before, participants, head)
+        return metrics
 
     def state_dict(self) -> dict:
         return {

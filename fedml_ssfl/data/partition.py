@@ -215,6 +215,46 @@ def _class_pools(y: np.ndarray, num_classes: int, rng: np.random.Generator) -> l
     return [rng.permutation(np.flatnonzero(y == c)) for c in range(num_classes)]
 
 
+def server_sets(
+    y: np.ndarray, num_classes: int, num_labels: int, num_val: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The server's labeled and validation sets of a training set, and what is left per class.
+
+    Each class's indices are shuffled with ``rng`` (``numpy_rng(seed, "partition")``); the server
+    takes ``num_labels`` samples balanced over the classes (``N_s / d`` each, the remainder to the
+    first classes), then ``num_val`` more the same way. :func:`build_split` starts with exactly
+    this, and a FedML script's server draws its labels from its global training set with it.
+
+    Returns
+    -------
+    tuple
+        (labeled indices, validation indices, per class the indices left in random order).
+
+    Raises
+    ------
+    ValueError
+        A label outside ``[0, num_classes)``, or a class too small for its share (naming the key).
+    """
+    pools = _class_pools(y, num_classes, rng)
+    server, pools = _take_balanced(pools, num_labels, "data_args.num_server_labels")
+    val, pools = _take_balanced(pools, num_val, "data_args.num_server_val")
+    return server, val, pools
+
+
+def client_label_share(
+    y: np.ndarray, num_classes: int, ratio: float, per_class: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """One client's samples split into (labeled, unlabeled) as a labels-at-client split labels them.
+
+    ``ratio`` > 0 (``data_args.client_label_ratio``, FedSiam's gamma) labels
+    ``round_half_up(ratio * n)`` of the ``n`` samples, stratified by class; else ``per_class``
+    (``labels_per_class_client``) of every class the client holds. The rest are unlabeled.
+    """
+    part = np.arange(len(y), dtype=np.int64)
+    quota = per_class if ratio <= 0 else _ratio_quota(part, y, num_classes, round_half_up(ratio * len(part)), rng)
+    return _split_labeled(part, y, quota, rng)
+
+
 def _take_balanced(pools: list[np.ndarray], total: int, key: str) -> tuple[np.ndarray, list[np.ndarray]]:
     """Take ``total`` samples, balanced over classes, from the front of the pools."""
     need = balanced_counts(total, len(pools))
@@ -810,9 +850,7 @@ def build_split(
     _validate(len(y), num_classes, num_clients, o)
     method = PARTITION_METHODS[o.partition_method]
     rng = numpy_rng(seed, "partition")
-    pools = _class_pools(y, num_classes, rng)
-    server, pools = _take_balanced(pools, o.num_server_labels, "data_args.num_server_labels")
-    val, pools = _take_balanced(pools, o.num_server_val, "data_args.num_server_val")
+    server, val, pools = server_sets(y, num_classes, o.num_server_labels, o.num_server_val, rng)
     pools = [p.astype(np.int64) for p in pools]
     method_options = method.info.options.of(o)
     data = ClientPools(pools, y, num_clients, rng, labels_at_client=o.label_scenario == "client")

@@ -9,17 +9,17 @@ Example
 -------
 >>> from fedml_ssfl.models import build_model
 >>> net = build_model("cnn28", num_classes=10, in_channels=1, image_size=28, norm="gn")
->>> net.fc.out_features
-10
+>>> classifier_prefix(net, in_channels=1, image_size=28)
+'fc'
 
 Every registered model follows the same contract:
 
 * the builder is called as ``builder(*, num_classes, in_channels, image_size, norm)``;
 * the model maps a float tensor ``(N, in_channels, image_size, image_size)``, already
   normalised, to logits ``(N, num_classes)``;
-* the final classifier is an :class:`torch.nn.Linear` attribute named ``fc`` (so its
-  ``state_dict`` keys are ``fc.weight`` and ``fc.bias``), and no other top-level attribute
-  name starts with ``fc``;
+* some layer with parameters of its own produces those logits: the classifier head, found by a
+  forward pass whatever its name (:func:`~fedml_ssfl.models.head.find_classifier`); checked the
+  first time a model is built for a given request, with an error naming what is missing;
 * parameters are initialised from torch's global RNG, so seeding it makes builds identical.
 """
 
@@ -31,13 +31,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..errors import ConfigError
+from .head import check_classifier, find_classifier
 from .norm import NORM_KINDS
 
 ModelBuilder = Callable[..., nn.Module]
 """``builder(*, num_classes, in_channels, image_size, norm) -> nn.Module``."""
-
-CLASSIFIER_NAME = "fc"
-"""Attribute name of the final classifier layer on every registered model."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,8 @@ class ModelSpec:
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
+_CHECKED: set[tuple] = set()
+"""Build requests whose model has passed :func:`~fedml_ssfl.models.head.check_classifier` (checked once each)."""
 
 
 def register_model(
@@ -191,13 +192,16 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
     Returns
     -------
     torch.nn.Module
-        The freshly initialised model (in training mode), with its classifier at ``model.fc``.
+        The freshly initialised model (in training mode).
 
     Raises
     ------
     ValueError
         Unknown model (with the closest name suggested), unsupported ``norm``, or an input
         size / channel count / class count the model cannot take.
+    TypeError
+        The builder's model does not map such images to ``(N, num_classes)`` logits produced by a
+        layer with parameters (checked on the first build of each request; names the fix).
     """
     spec = model_spec(name)
     if norm not in spec.norms:
@@ -219,33 +223,43 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
             f"model {name!r} cannot take image_size={image_size}; it supports image sizes: {spec.image_size_text()}"
         )
     model = spec.builder(num_classes=num_classes, in_channels=in_channels, image_size=image_size, norm=norm)
-    if not isinstance(getattr(model, CLASSIFIER_NAME, None), nn.Linear):
-        raise TypeError(f"model {name!r} has no nn.Linear classifier named {CLASSIFIER_NAME!r}")
+    request = (name, spec.builder, num_classes, in_channels, image_size, norm)
+    if request not in _CHECKED:
+        try:
+            check_classifier(model, num_classes, in_channels, image_size, f"model {name!r}")
+        except ConfigError as exc:
+            raise TypeError(f"{exc} (registered with @register_model({name!r}))") from None
+        _CHECKED.add(request)
     return model
 
 
-def classifier_prefix(model: nn.Module) -> str:
-    """State-dict key prefix of the model's classifier layer (always ``"fc"``).
+def classifier_prefix(model: nn.Module, *, in_channels: int, image_size: int) -> str:
+    """State-dict key prefix of the model's classifier head, found by a forward pass (no naming rule).
 
     Parameters
     ----------
     model : torch.nn.Module
-        A model built by :func:`build_model`.
+        Any model mapping images ``(N, in_channels, image_size, image_size)`` to logits ``(N, K)``.
+    in_channels, image_size : int
+        The input the model takes.
 
     Returns
     -------
     str
-        ``"fc"``: the classifier's keys are ``fc.weight`` and ``fc.bias``. Match keys with
-        ``key.split(".")[0] == prefix`` (or ``key.startswith(prefix + ".")``).
+        ``"fc"`` for the shipped models; the head's keys are ``prefix + ".weight"`` and so on
+        (:func:`~fedml_ssfl.models.head.head_keys`).
 
     Raises
     ------
     ValueError
-        If the model has no ``fc`` :class:`torch.nn.Linear` layer.
+        The model's output is not ``(N, K)`` logits, or no layer with parameters produces them.
     """
-    if not isinstance(getattr(model, CLASSIFIER_NAME, None), nn.Linear):
-        raise ValueError(f"{type(model).__name__} has no nn.Linear classifier named {CLASSIFIER_NAME!r}")
-    return CLASSIFIER_NAME
+    prefix = find_classifier(model, in_channels, image_size)
+    if prefix is None:
+        raise ValueError(
+            f"{type(model).__name__}: no layer with parameters of its own produces its (N, num_classes) logits"
+        )
+    return prefix
 
 
 def count_parameters(model: nn.Module) -> int:

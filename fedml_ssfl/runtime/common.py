@@ -46,7 +46,7 @@ from ..client_state import (
     prune_state_files,
 )
 from ..config import ConfigError, ExperimentConfig, save_config
-from ..experiment import Experiment
+from ..experiment import Experiment, deployed
 from ..metrics import evaluate
 from ..report import format_duration
 from ..sampling import sample_clients
@@ -157,6 +157,14 @@ def _output_dir_error(run_dir: Path, exc: OSError) -> ConfigError:
         f"common_args.output_dir: cannot create the run folder {run_dir}: {exc}; "
         "or set common_args.output_dir to another folder"
     )
+
+
+def model_label(cfg: ExperimentConfig) -> str:
+    """The model as outputs name it: ``<model>-<norm>`` for a registered model, the class for a script's own."""
+    from ..models.script import SCRIPT_MODEL_PREFIX
+
+    name = cfg.model_args.model
+    return name if name.startswith(SCRIPT_MODEL_PREFIX) else f"{name}-{cfg.model_args.norm}"
 
 
 def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:
@@ -545,7 +553,8 @@ class RunRecorder:
         except OSError as exc:
             self._close_records()
             raise self.write_failed("at the start of the run", exc) from None
-        self.measured_r = exp.split.measured_r(exp.dataset.train_labels)
+        # the clients' non-iid level needs their data: a deployment's server holds none of it (absent, not 0)
+        self.measured_r = None if deployed(cfg) else exp.split.measured_r(exp.dataset.train_labels)
         evals = [r["test_acc"] for r in self.tracker.rows if r.get("test_acc") is not None]
         self.best = max(evals, default=float("nan"))
         self.last_acc = evals[-1] if evals else float("nan")
@@ -699,7 +708,7 @@ class RunRecorder:
             "status": status,
             "algorithm": cfg.algorithm,
             "dataset": cfg.data_args.dataset,
-            "model": f"{cfg.model_args.model}-{cfg.model_args.norm}",
+            "model": model_label(cfg),
             "rounds_completed": done,
             "comm_round": cfg.train_args.comm_round,
             "final_test_acc": self.last_acc,
@@ -711,7 +720,7 @@ class RunRecorder:
             "seconds_total": totals["seconds"],
             "seconds_per_round": totals["seconds"] / max(done, 1),
             "wall_seconds": self.wall_seconds(),
-            "measured_non_iid_r": self.measured_r,
+            **({} if self.measured_r is None else {"measured_non_iid_r": self.measured_r}),
             "num_classes": self.exp.data_info.num_classes,
             "config_fingerprint": cfg.fingerprint(),
             "run_dir": str(self.run_dir),

@@ -1,50 +1,87 @@
-"""fedml_ssfl's FedML ``ClientTrainer`` and ``ServerAggregator``, public for FedML's own ``FedMLRunner``.
+"""fedml_ssfl's FedML ``ClientTrainer`` and ``ServerAggregator``, for a FedML script's ``FedMLRunner``.
 
-FedML's cross-silo examples build a trainer and an aggregator and hand them to ``FedMLRunner``
-with FedML's stock managers; ``deploy/fedml_runner.py`` does exactly that with these classes::
+A FedML user's cross-silo script runs any registered algorithm on ITS model and ITS data::
 
-    args = hooks.init()                        # fedml.init() without its call to FedML's cloud
+    import fedml
+    from fedml import FedMLRunner
+    from fedml_ssfl.runtime.fedml.hooks import SSFLAggregator, SSFLTrainer
+
+    args = fedml.init()                       # reads --cf, --rank, --role (mpirun: the MPI rank)
     device = fedml.device.get_device(args)
-    dataset, model = hooks.load_data(args), hooks.create_model(args)
+    dataset = my_fedml_list(args)             # FedML's 8-entry list: fedml.data.load(args) or your own
+    model = MyNet()                           # any nn.Module: images (N, C, H, W) -> logits (N, classes)
     trainer, aggregator = SSFLTrainer(model, args), SSFLAggregator(model, args)
     FedMLRunner(args, device, dataset, model, trainer, aggregator).run()
 
-The payloads are fedml_ssfl's: the aggregator runs any registered algorithm's server side
-(:class:`~fedml_ssfl.runtime.fedml.server.DeployedServerRuntime`) and sends each rank the
-payload of its own silo; the trainer is one silo
-(:class:`~fedml_ssfl.runtime.fedml.worker.SiloWorker`): it reads only its own file
-(``data_args.local_data``) once the server's metadata arrives, and keeps its client state.
-``fedml-ssfl run`` drives the same two classes with FedML's managers subclassed for fault
-handling; use it for what the stock path lacks (see docs/deploy.md): round and connection
-timeouts that end the job with the culprit's name, ``--resume``, ``--stop-after``, wire-byte
-counts, the simulation mode.
+Each process is one party (FedML's cross-silo deployment): rank 0 the server, rank k + 1 silo k,
+each reading only its own process's list (:mod:`fedml_ssfl.data.fedml_lists` says which entries,
+where the server's labels come from and how a silo's labels are hidden). ``mpirun -np K + 1`` for K
+silos (``train_args.client_num_in_total``), of which the algorithm trains C_k a round; the others
+are told to stay idle. The model FedMLRunner gets is the one trained: every copy the algorithm
+makes is a deep copy of it (checked first: :func:`~fedml_ssfl.models.script.script_model_factory`),
+and on the server it holds the global model after every round. The config keeps it as
+``model_args.model: script:<class name>``, the data as ``data_args.local_data`` / ``server_data`` /
+``test_data``: ``FedMLRunner`` (:data:`~fedml_ssfl.config.SCRIPT_DATA`).
+
+``deploy/fedml_runner.py`` is the same script on files instead: a deployment config written by
+``fedml-ssfl partition --export`` (``data_args.local_data`` etc. naming files), with
+:func:`load_data` / :func:`create_model` as the placeholders FedMLRunner wants (each rank then
+reads its own file, the model comes from ``model_args.model``).
+
+``fedml.init``
+    Importing this module replaces ``fedml.init`` with :func:`init`, which takes the same arguments,
+    because FedML's own does three things a fedml_ssfl job cannot have: it asks FedML's cloud for
+    its MQTT/S3 configs and checks its network connections (the package runs offline), and it
+    counts ``device_args.worker_num + 1`` MPI processes (FedML's worker count, by default
+    ``client_num_per_round``), where here every silo is a process (K + 1). :func:`init` loads the
+    YAML as a fedml_ssfl config (FedML's keys accepted or named: :mod:`fedml_ssfl.fedml_compat`;
+    ``--set section.key=value`` on the script's command line as in ``fedml-ssfl run``), sets
+    FedML's counts to the K silos, and then calls FedML's init offline. After it, an error on any
+    rank ends the whole job at once with one line, ``fedml-ssfl: error: rank N: ...``
+    (``--debug`` on the command line adds the traceback): MPI ranks call ``MPI_Abort``, GRPC
+    processes exit 1.
+
+``fedml-ssfl run`` drives the same two classes with FedML's managers subclassed (round and
+connection timeouts, ``--resume``, ``--stop-after``, wire-byte counts, the simulation mode).
 
 Importing this module imports FedML (``import fedml_ssfl`` does not).
 
 Deviations
 ----------
-* FedML's runner wants a dataset tuple and a model before the run starts; in a deployment no
-  process holds more than its own part, so :func:`load_data` returns placeholders and
-  :func:`create_model` an identity module. The real model is built inside the algorithm from
-  the server's metadata.
+* FedML's ``ServerAggregator`` sees the dataset only through ``test``; the server needs its
+  labeled set before round 1, so FedML's ``FedMLCrossSiloServer`` / ``FedMLCrossSiloClient`` (the
+  classes ``FedMLRunner`` builds) are wrapped to hand this module's aggregator / trainer the list
+  and the model they receive, and check the list before FedML indexes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from fedml.core import ClientTrainer, ServerAggregator
-from fedml.cross_silo.server.message_define import MyMessage
 
-from ...config import ConfigError, ExperimentConfig, load_config
-from ...experiment import build_experiment, deployed
-from ..common import RunResult, fresh_run_dir
+with warnings.catch_warnings():  # requests' version check and pkg_resources, at FedML's import
+    warnings.simplefilter("ignore")
+    from fedml.core import ClientTrainer, ServerAggregator
+    from fedml.cross_silo.server.message_define import MyMessage
+
+from ... import envvars
+from ...config import SCRIPT_DATA, ConfigError, ExperimentConfig, load_config, load_raw
+from ...data import ImageDataset
+from ...errors import error_line
+from ...experiment import build_experiment, deployed, script_data
+from ..common import RunFailed, RunResult, fresh_run_dir
 from .launch import _fedml_offline, _with_device, check_server_counts, grpc_rank, mpi_rank, worker_count
 from .payloads import decode, encode
 from .protocol import Finish
@@ -67,20 +104,27 @@ def unwrap(upload: Any) -> Any:
 log = logging.getLogger(__name__)
 
 
+class FilesPlaceholder(list):
+    """:func:`load_data`'s list: FedML's eight entries, empty; each rank reads its own files instead."""
+
+
+class ConfigModel(torch.nn.Identity):
+    """:func:`create_model`'s module: the model is ``model_args.model``, built inside the algorithm."""
+
+
 class SSFLAggregator(ServerAggregator):
     """The server: FedML's ``ServerAggregator`` around a fedml_ssfl server runtime.
 
     ``get_model_params`` / ``aggregate`` return ``{silo: payload}``; FedML sends each worker the
-    entry of the silo it serves (in deployment mode silo k is rank k + 1).
+    entry of the silo it serves (rank k + 1 serves silo k).
 
     Parameters
     ----------
     model : torch.nn.Module
-        What FedML holds as the model (unused: the algorithm owns its models).
+        The script's model (trained: see the module docstring), or :func:`create_model`'s placeholder.
     args : namespace
-        FedML's args; without ``runtime``, ``args.ssfl_config`` (set by :func:`init`) says what
-        to run, and the runtime (the server's data, the algorithm, the run folder) is built on
-        the first call.
+        FedML's args from ``fedml.init()`` (:func:`init`); without ``runtime`` the server's part is
+        built on the first call, from the dataset list and model ``FedMLRunner`` hands over.
     runtime : ServerRuntime, optional
         A runtime built by the caller (``fedml-ssfl run`` passes its own).
     meter : WireMeter, optional
@@ -89,17 +133,47 @@ class SSFLAggregator(ServerAggregator):
 
     def __init__(self, model, args, runtime: ServerRuntime | None = None, meter: WireMeter | None = None):
         super().__init__(model, args)
+        if runtime is None:
+            config_of(args)  # made by fedml.init(): say so now, not inside FedML's first round
         self._runtime = runtime
         self.meter = meter if meter is not None else getattr(args, "ssfl_meter", None)
         self.owns_runtime = runtime is None  # then nobody else ends the run: this object writes the summary
+        self.dataset: Any = None
         self._marks = (0, 0)
         self.result: RunResult | None = None
+
+    def receive(self, dataset: Any, model: torch.nn.Module) -> None:
+        """What ``FedMLRunner`` hands the server: its dataset list and model (checked here, used at round 1)."""
+        self.dataset, self.model = dataset, model
+        if self.owns_runtime:
+            check_dataset(config_of(self.args), dataset, model, 0)
 
     @property
     def runtime(self) -> ServerRuntime:
         if self._runtime is None:
-            self._runtime = server_runtime(config_of(self.args))
+            self._runtime = self._build_runtime()
         return self._runtime
+
+    def _build_runtime(self) -> DeployedServerRuntime:
+        cfg = config_of(self.args)
+        if not script_data(cfg):
+            return server_runtime(cfg)
+        from ...data.fedml_lists import server_dataset
+        from ...models.script import script_model_factory
+
+        d = cfg.data_args
+        data, shape = server_dataset(
+            self.dataset,
+            num_server_labels=d.num_server_labels,
+            num_server_val=d.num_server_val,
+            seed=cfg.common_args.random_seed,
+            mean=d.norm_mean,
+            std=d.norm_std,
+            flip=d.flip,
+            name=d.dataset,
+        )
+        factory = script_model_factory(self.model, data.num_classes, data.in_channels, data.image_size, shape)
+        return server_runtime(with_script_model(cfg, self.model), data, factory)
 
     def _payloads(self) -> dict[int, Any]:
         if self.runtime.done:
@@ -126,10 +200,24 @@ class SSFLAggregator(ServerAggregator):
                 "wire_bytes_up": self.meter.total(self.meter.recv, UP_TYPES) - self._marks[1],
                 "wire_bytes_down": self.meter.total(self.meter.sent, DOWN_TYPES) - self._marks[0],
             }
-        self.runtime.finish_round(uploads, **wire)
-        if self.runtime.done and self.owns_runtime and self.result is None:
+        if not self.owns_runtime:
+            self.runtime.finish_round(uploads, **wire)
+            return self._payloads()
+        try:
+            self.runtime.finish_round(uploads, **wire)
+        except (RunFailed, RuntimeError) as exc:  # a silo failed, or a reply broke the protocol
+            raise self.runtime.fail(exc) from None  # summary.json says failed; the job ends (init's hook)
+        self._hold_global_model()
+        if self.runtime.done and self.result is None:
             self.result = self.runtime.result()
         return self._payloads()
+
+    def _hold_global_model(self) -> None:
+        """The script's model object holds the global model after every round, as FedML's aggregator's does."""
+        if isinstance(self.model, ConfigModel) or not isinstance(self.model, torch.nn.Module):
+            return
+        with torch.no_grad():
+            self.model.load_state_dict(self.runtime.exp.algorithm.global_model().state_dict())
 
     def on_after_aggregation(self, aggregated_model_or_grad):
         return aggregated_model_or_grad
@@ -140,30 +228,45 @@ class SSFLAggregator(ServerAggregator):
 
 
 class SSFLTrainer(ClientTrainer):
-    """A worker: FedML's ``ClientTrainer`` around a fedml_ssfl worker.
+    """A silo: FedML's ``ClientTrainer`` around a fedml_ssfl worker.
 
     Parameters
     ----------
     model : torch.nn.Module
-        What FedML holds as the model (unused).
+        The script's model (every copy the algorithm trains is a deep copy of it), or
+        :func:`create_model`'s placeholder.
     args : namespace
-        FedML's args; without ``worker``, this rank becomes the deployed silo ``args.rank - 1``
-        of ``args.ssfl_config`` (set by :func:`init`).
+        FedML's args from ``fedml.init()`` (:func:`init`); without ``worker``, this rank becomes silo
+        ``args.rank - 1``, training ``train_data_local_dict[args.rank - 1]`` of the list
+        ``FedMLRunner`` hands over (or ``data_args.local_data``'s file).
     worker : SiloWorker or ClientWorker, optional
         A worker built by the caller (``fedml-ssfl run`` passes its own).
     """
 
     def __init__(self, model, args, worker=None):
         super().__init__(model, args)
+        if worker is None:
+            config_of(args)
         self._worker = worker
+        self.dataset: Any = None
         self.payload: Any = None
         self.upload: Any = None
+
+    def receive(self, dataset: Any, model: torch.nn.Module) -> None:
+        """What ``FedMLRunner`` hands the silo: its dataset list and model (checked here, read at round 1)."""
+        self.dataset, self.model = dataset, model
+        if self._worker is None:
+            check_dataset(config_of(self.args), dataset, model, int(self.args.rank))
 
     @property
     def worker(self):
         if self._worker is None:
-            cfg = config_of(self.args)
-            self._worker = SiloWorker(_with_device(cfg, int(self.args.rank)), int(self.args.rank))
+            cfg, rank = config_of(self.args), int(self.args.rank)
+            source = None
+            if script_data(cfg):
+                cfg = with_script_model(cfg, self.model)
+                source = _ScriptSilo(cfg, self.dataset, self.model, rank)
+            self._worker = SiloWorker(_with_device(cfg, rank), rank, source=source)
         return self._worker
 
     def get_model_params(self):
@@ -173,13 +276,40 @@ class SSFLTrainer(ClientTrainer):
         self.payload = model_parameters
 
     def update_dataset(self, local_train_dataset, local_test_dataset, local_sample_number):
-        pass  # a silo reads its own file; a simulation worker is told its silo by the payload
+        pass  # the silo's data is read once, from the list FedMLRunner handed over (or its file)
 
     def train(self, train_data, device, args):
         self.upload = {UPLOAD_KEY: encode(self.worker.handle(decode(self.payload)))}
 
     def test(self, test_data, device, args):
         pass
+
+
+@dataclasses.dataclass
+class _ScriptSilo:
+    """A silo's data and model from its FedML script, built once the server's metadata is known."""
+
+    cfg: ExperimentConfig
+    dataset: Any
+    model: torch.nn.Module
+    rank: int
+
+    def __call__(self, meta) -> tuple[Any, Any]:
+        from ...data.fedml_lists import silo_data
+        from ...models.script import script_model_factory
+
+        d = self.cfg.data_args
+        data, shape = silo_data(
+            self.dataset,
+            self.rank - 1,
+            scenario=d.label_scenario,
+            num_classes=meta.num_classes,
+            seed=self.cfg.common_args.random_seed,
+            client_label_ratio=d.client_label_ratio,
+            labels_per_class_client=d.labels_per_class_client,
+        )
+        factory = script_model_factory(self.model, meta.num_classes, meta.in_channels, meta.image_size, shape)
+        return data, factory
 
 
 # ---- FedMLRunner's inputs ---------------------------------------------------------------------
@@ -190,57 +320,228 @@ def config_of(args) -> ExperimentConfig:
     cfg = getattr(args, "ssfl_config", None)
     if cfg is None:
         raise ConfigError(
-            "FedML's args carry no fedml_ssfl config: make them with fedml_ssfl.runtime.fedml.hooks.init()"
+            "FedML's args carry no fedml_ssfl config: import fedml_ssfl.runtime.fedml.hooks before calling "
+            "fedml.init() (or call hooks.init()), so that init reads the YAML as a fedml_ssfl config"
         )
     return cfg
 
 
-def server_runtime(cfg: ExperimentConfig) -> DeployedServerRuntime:
-    """The server's part of a fresh deployment run: its own data only, a new run folder."""
-    exp = build_experiment(_with_device(cfg, 0))
-    check_server_counts(cfg, exp)
+def with_script_model(cfg: ExperimentConfig, model: torch.nn.Module) -> ExperimentConfig:
+    """``cfg`` naming the script's own model (``model_args.model: script:<class>``): what the run trained."""
+    from ...models.script import script_model_name
+
+    name = script_model_name(model)
+    if cfg.model_args.model == name:
+        return cfg
+    return dataclasses.replace(cfg, model_args=dataclasses.replace(cfg.model_args, model=name))
+
+
+def check_dataset(cfg: ExperimentConfig, dataset: Any, model: Any, rank: int) -> None:
+    """Refuse, before FedML indexes it, a dataset list or model this rank cannot run (one line naming the fix).
+
+    Raises
+    ------
+    ConfigError
+        Files named in the config but a list passed (or the reverse); a list FedML would fail on:
+        not eight entries, no entry for this rank's silo in ``train_data_local_dict`` (or in
+        ``train_data_local_num_dict`` / ``test_data_local_dict``, which FedML indexes too); a model
+        that is not an ``nn.Module``.
+    """
+    if not script_data(cfg):
+        if not isinstance(dataset, FilesPlaceholder) or not isinstance(model, ConfigModel):
+            raise ConfigError(
+                f"{cfg.data_args.local_data}: the config names data files (data_args.local_data / server_data / "
+                "test_data), but the script passes its own dataset and model to FedMLRunner: remove those keys "
+                "(each process then trains on the list it passes), or pass hooks.load_data(args) and "
+                "hooks.create_model(args)"
+            )
+        return
+    if isinstance(dataset, FilesPlaceholder):
+        raise ConfigError(
+            "the config names no data files (data_args.local_data), so FedMLRunner's dataset is the data, but the "
+            "script passed hooks.load_data's placeholders: pass FedML's dataset list (fedml.data.load(args) or your "
+            "own), or name the files (fedml-ssfl partition --export writes them)"
+        )
+    if not isinstance(model, torch.nn.Module) or isinstance(model, ConfigModel):
+        raise ConfigError(
+            f"FedMLRunner's model must be your torch nn.Module (images -> class logits), got {type(model).__name__}"
+        )
+    from ...data.fedml_lists import fields
+
+    data = fields(dataset)
+    if rank == 0:
+        return
+    silo = rank - 1
+    for key in ("train_data_local_dict", "train_data_local_num_dict", "test_data_local_dict"):
+        table = data[key]
+        if table is None and key != "train_data_local_dict":
+            continue
+        try:
+            table[silo]
+        except (KeyError, IndexError, TypeError):
+            raise ConfigError(
+                f"the dataset list's {key} has no entry {silo}: under FedMLRunner rank k + 1 is silo k "
+                f"and FedML reads entry k of train_data_local_dict, train_data_local_num_dict and "
+                "test_data_local_dict (the last two may be None)"
+            ) from None
+
+
+def server_runtime(cfg: ExperimentConfig, dataset: ImageDataset | None = None, factory=None) -> DeployedServerRuntime:
+    """The server's part of a fresh deployment run: its own data only, a new run folder.
+
+    ``dataset`` / ``factory``: the server's data and model from a FedML script's list and module
+    (the config's files and ``model_args.model`` otherwise).
+    """
+    exp = build_experiment(_with_device(cfg, 0), dataset, factory)
+    if dataset is None:
+        check_server_counts(cfg, exp)
     exp.algorithm.setup()
     run_dir = fresh_run_dir(cfg.run_dir())
     return DeployedServerRuntime(cfg, exp, run_dir, None, worker_count(cfg), None, cfg.comm_args.backend)
 
 
-def init(args=None) -> SimpleNamespace:
-    """``fedml.init()`` for a fedml_ssfl deployment, offline.
+def cli_settings(argv: list[str]) -> list[str]:
+    """The ``--set section.key=value`` items of a script's command line (FedML's parser leaves them)."""
+    out, it = [], iter(argv)
+    for word in it:
+        if word == "--set":
+            value = next(it, None)
+            if value is None:
+                raise ConfigError("--set needs section.key=value, e.g. --set common_args.run_name=trial")
+            out.append(value)
+        elif word.startswith("--set="):
+            out.append(word[len("--set=") :])
+    return out
 
-    FedML parses the command line as in its own examples (``--cf``, ``--rank``, ``--role``,
-    ``--run_id``; MPI ranks from ``mpirun``); the same YAML is loaded as a fedml_ssfl config
-    (FedML's keys accepted as in ``fedml-ssfl run``) and kept as ``args.ssfl_config``. FedML's
-    call to its cloud for configs (``fetch_config``) is replaced; its client counts are set to
-    the K silos, each rank serving its own silo.
 
-    Under MPI, FedML's messages then travel through :mod:`~fedml_ssfl.runtime.wire` instead of
-    pickle (``MPI.pickle`` is replaced for the process). Under GRPC FedML's stock transport still
-    unpickles what reaches its port, with no TLS and no job key: the stock path runs over GRPC only
-    with ``comm_args.insecure: true`` (on a network you trust); ``fedml-ssfl run``'s GRPC transport
-    has the codec, TLS and the job key.
+def script_config(path: str, run_id: Any = None, argv: list[str] | None = None) -> ExperimentConfig:
+    """A FedML script's YAML as a fedml_ssfl deployment config (each process one party).
+
+    FedMLRunner runs FedML's cross-silo deployment: ``common_args.training_type`` is ``cross_silo``
+    (FedML's simulators ignore custom trainers), ``comm_args.mode`` is ``deployment``, and a config
+    that names no data files takes its data from the script (:data:`~fedml_ssfl.config.SCRIPT_DATA`).
+    ``--set`` items on the command line apply as in ``fedml-ssfl run``.
 
     Raises
     ------
     ConfigError
-        The config is not a deployment (``comm_args.mode: deployment``) over MPI or GRPC, or asks for
-        GRPC without ``comm_args.insecure: true``.
+        No config, ``training_type: simulation`` or ``comm_args.mode: simulation``, or anything the
+        config's validation refuses.
     """
+    if not path:
+        raise ConfigError("pass the config with --cf CONFIG (a FedML fedml_config.yaml, or a fedml_ssfl config)")
+    raw = load_raw(path)
+    common, comm, data = (
+        raw.get(s) if isinstance(raw.get(s), dict) else {} for s in ("common_args", "comm_args", "data_args")
+    )
+    if common.get("training_type") == "simulation":
+        raise ConfigError(
+            f"{path}: common_args.training_type simulation: FedML's simulators ignore custom trainers, so FedMLRunner "
+            "runs fedml_ssfl only in training_type cross_silo (each process one party); set it, or run the "
+            "simulation with `fedml-ssfl run --cf CONFIG`"
+        )
+    if comm.get("mode", "deployment") != "deployment":
+        raise ConfigError(
+            f"{path}: FedMLRunner runs the deployment mode over MPI or GRPC (comm_args.mode: deployment, "
+            "comm_args.backend: MPI|GRPC); the simulation mode runs with `fedml-ssfl run`"
+        )
+    forced = ["common_args.training_type=cross_silo", "comm_args.mode=deployment"]
+    from_script = not any(data.get(k) for k in ("local_data", "server_data", "test_data"))
+    if from_script:
+        forced += [f"data_args.{k}={SCRIPT_DATA}" for k in ("local_data", "server_data", "test_data")]
+    settings = cli_settings(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(Path(path), [*forced, *settings])
+    if from_script:
+        given = {f"{s}.{k}" for s in ("data_args", "model_args") for k in (raw.get(s) or {})}
+        given |= {text.split("=", 1)[0].strip() for text in settings}
+        for key in sorted(given & set(UNUSED_WITH_SCRIPT_DATA)):
+            log.warning("%s is not used: %s", key, UNUSED_WITH_SCRIPT_DATA[key])
+    if run_id not in (None, "", "0"):
+        cfg.common_args.run_id = str(run_id)
+    if not deployed(cfg) or cfg.comm_args.backend not in ("MPI", "GRPC"):
+        raise ConfigError(
+            f"{path}: FedMLRunner runs the deployment mode over MPI or GRPC (comm_args.mode: deployment, "
+            "comm_args.backend: MPI|GRPC); the simulation mode runs with `fedml-ssfl run`"
+        )
+    return cfg
+
+
+_LIST = "the data is the dataset list the script passes to FedMLRunner, split into silos by its train_data_local_dict"
+_MODEL = "the model is the nn.Module the script passes to FedMLRunner"
+UNUSED_WITH_SCRIPT_DATA: dict[str, str] = {
+    **{
+        f"data_args.{k}": _LIST
+        for k in (
+            "data_cache_dir",
+            "download",
+            "partition_method",
+            "partition_alpha",
+            "non_iid_r",
+            "classes_per_client",
+            "imbalance_strength",
+            "num_stages",
+            "rounds_per_stage",
+            "rich_client_fraction",
+            "rich_label_ratio",
+            "poor_label_ratio",
+            "synthetic_num_samples",
+            "synthetic_num_classes",
+            "synthetic_shape",
+            "num_classes",
+        )
+    },
+    "model_args.model": _MODEL,
+    "model_args.norm": _MODEL,
+}
+"""Config keys a FedML script's run does not use when its data and model come from the script: one
+warning each (``data_args.dataset`` names the run; the label keys and ``norm_mean`` / ``norm_std`` /
+``flip`` apply to the list)."""
+
+_ORIGINAL_INIT: Any = None
+
+
+def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> Any:
+    """``fedml.init`` for a fedml_ssfl job (importing this module makes it ``fedml.init``; same arguments).
+
+    FedML parses the command line as in its own examples (``--cf``, ``--rank``, ``--role``,
+    ``--run_id``; MPI ranks from ``mpirun``); the YAML is loaded as a fedml_ssfl config
+    (:func:`script_config`) and kept as ``args.ssfl_config``. FedML's counts become the K silos
+    (``worker_num``, ``client_num_in_total``, ``client_num_per_round``, ``client_id_list``), its
+    algorithm FedAvg (the one FedML's cross-silo classes run custom aggregators under); its call to
+    its cloud is replaced, its environment report (``check_env``, which tests network connections)
+    and its log files (``should_init_logs``) are skipped. From here on an error on this rank ends the
+    job with one line (module docstring).
+
+    Under MPI, FedML's messages then travel through :mod:`~fedml_ssfl.runtime.fedml.wire` instead of
+    pickle (``MPI.pickle`` is replaced for the process). Under GRPC FedML's stock transport still
+    unpickles what reaches its port, with no TLS and no job key: it runs only with
+    ``comm_args.insecure: true`` (on a network you trust); ``fedml-ssfl run``'s GRPC transport has the
+    codec, TLS and the job key.
+
+    Called with FedML args that name no YAML (``fedml-ssfl run``'s own), it is FedML's init unchanged.
+
+    Raises
+    ------
+    ConfigError
+        No config, a config FedMLRunner cannot run (:func:`script_config`), the wrong process count
+        (naming the right ``-np``), or GRPC without ``comm_args.insecure: true``.
+    """
+    original = _ORIGINAL_INIT
+    if args is not None and not getattr(args, "yaml_config_file", ""):
+        return original(args, check_env=check_env, should_init_logs=should_init_logs)
     with _fedml_offline() as fedml:
+        script = args is None or _under_mpirun()  # a script's process (tests call init with args of their own)
         if args is None:
             from fedml.arguments import load_arguments
 
             args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
-        path = getattr(args, "yaml_config_file", "") or ""
-        if not path:
-            raise ConfigError("pass the deployment config with --cf CONFIG (fedml-ssfl partition --export writes one)")
-        cfg = load_config(Path(path), [])
-        if getattr(args, "run_id", None) not in (None, "", "0"):
-            cfg.common_args.run_id = str(args.run_id)
-        if not deployed(cfg) or cfg.comm_args.backend not in ("MPI", "GRPC"):
-            raise ConfigError(
-                f"{path}: FedMLRunner runs the deployment mode over MPI or GRPC (comm_args.mode: deployment, "
-                "comm_args.backend: MPI|GRPC); the simulation mode runs with `fedml-ssfl run`"
-            )
+        backend = "MPI" if _under_mpirun() else "GRPC"
+        rank = _mpi_rank() if backend == "MPI" else int(getattr(args, "rank", 0) or 0)
+        if script:
+            exit_on_error(rank, backend, starting=True)
+        with _warnings_on_rank_zero(rank if backend == "MPI" else 0):  # one copy of each config warning
+            cfg = script_config(getattr(args, "yaml_config_file", "") or "", getattr(args, "run_id", None))
+        path = args.yaml_config_file
         K = worker_count(cfg)
         if cfg.comm_args.backend == "MPI":
             mpi_rank(cfg, None, None)  # the process count, before FedML asserts it
@@ -258,6 +559,8 @@ def init(args=None) -> SimpleNamespace:
                 )
             log.warning("FedML's stock GRPC transport: plaintext, unauthenticated, and it unpickles what it receives")
             grpc_rank(cfg, int(args.rank), getattr(args, "role", None))
+        if script:
+            exit_on_error(rank, cfg.comm_args.backend)
         t, d = cfg.train_args, cfg.device_args
         for key, value in {
             "training_type": "cross_silo",
@@ -269,36 +572,154 @@ def init(args=None) -> SimpleNamespace:
             "client_num_in_total": K,  # FedML's counts are the silos; the algorithm samples C_k of them
             "client_num_per_round": K,
             "worker_num": K,
+            "client_id_list": None,  # FedML's init lists ranks 1..K on the server, the rank itself on a client
             "comm_round": t.comm_round,
             "frequency_of_the_test": 1,
             "test_on_clients": "no",
+            "dataset": cfg.data_args.dataset,
             "using_gpu": d.device == "cuda",
             "skip_log_model_net": True,
+            "sys_perf_profiling": False,
         }.items():
             setattr(args, key, value)
         with contextlib.redirect_stdout(io.StringIO()):
-            args = fedml.init(args, check_env=False, should_init_logs=False)
+            args = original(args, check_env=False, should_init_logs=False)
         args.ssfl_config = cfg
         if cfg.comm_args.backend == "MPI":
             args.ssfl_meter = meter  # the aggregator records each round's wire bytes from it
         return args
 
 
-def load_data(args) -> list:
-    """FedML's dataset tuple, as placeholders: each rank reads only its own files, itself.
+@contextlib.contextmanager
+def _warnings_on_rank_zero(rank: int):
+    """MPI ranks load the same config: only rank 0 logs what loading it says."""
+    if rank == 0:
+        yield
+        return
+    quiet = logging.getLogger("fedml_ssfl")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)
+
+
+def load_data(args) -> FilesPlaceholder:
+    """FedML's dataset list as placeholders, for a config that names data files: each rank reads its own.
 
     ``[train_num, test_num, train_global, test_global, local_num_dict, train_local_dict,
     test_local_dict, class_num]`` with one ``None`` entry per silo (FedML indexes them by silo).
     """
     K = worker_count(config_of(args))
     silos = {k: None for k in range(K)}
-    return [0, 0, None, None, {k: 0 for k in range(K)}, silos, dict(silos), 0]
+    return FilesPlaceholder([0, 0, None, None, {k: 0 for k in range(K)}, silos, dict(silos), 0])
 
 
-def create_model(args) -> torch.nn.Module:
-    """What FedML holds as the model: an identity module (the algorithm builds its own models)."""
+def create_model(args) -> ConfigModel:
+    """The model placeholder for a config that names data files: the algorithm builds ``model_args.model``."""
     config_of(args)
-    return torch.nn.Identity()
+    return ConfigModel()
 
 
-__all__ = ["SSFLAggregator", "SSFLTrainer", "config_of", "create_model", "init", "load_data", "server_runtime"]
+# ---- ending the job on an error -----------------------------------------------------------------
+
+
+def _under_mpirun() -> bool:
+    return any(envvars.raw(k) for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def _mpi_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+_job: dict[str, Any] = {}
+
+
+STARTUP_GRACE = 3.0
+"""Seconds an MPI rank other than 0 waits before reporting an error during :func:`init`: the config is
+the same on every rank, so rank 0 usually reports it and ends the job first (one line, not one per rank)."""
+
+
+def exit_on_error(rank: int, backend: str, starting: bool = False) -> None:
+    """From now on an uncaught error in this process (any thread) ends the job: one line, then MPI_Abort / exit 1.
+
+    A FedML job otherwise hangs on an error: the other MPI ranks wait for this one forever, and this
+    process waits for FedML's non-daemon threads at exit. The line is
+    ``fedml-ssfl: error: rank N: <error>; ending the <backend> job``; ``--debug`` on the command line
+    prints the traceback before it. ``starting``: errors now are likely the same on every rank
+    (:data:`STARTUP_GRACE`).
+    """
+    _job.update(rank=rank, backend=backend, starting=starting)
+    if _job.get("installed"):
+        return
+    _job["installed"] = True
+    sys.excepthook = _end_job
+    threading.excepthook = lambda a: _end_job(a.exc_type, a.exc_value, a.exc_traceback)
+
+
+def _end_job(exc_type, exc, tb) -> None:
+    if issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+        sys.__excepthook__(exc_type, exc, tb)
+        if issubclass(exc_type, SystemExit):
+            return
+    elif "--debug" in sys.argv:
+        traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
+    rank, backend = _job.get("rank", "?"), _job.get("backend", "MPI")
+    if backend == "MPI" and _job.get("starting") and rank != 0:
+        time.sleep(STARTUP_GRACE)  # rank 0 has most likely hit the same error and ends the job meanwhile
+    text = str(exc) if isinstance(exc, (ConfigError, RunFailed, OSError)) else f"{exc_type.__name__}: {exc}"
+    sys.stderr.write(error_line(f"rank {rank}: {text}; ending the {backend} job") + "\n")
+    sys.stderr.flush()
+    if backend == "MPI":
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+    os._exit(1)
+
+
+# ---- FedML, adapted on import -------------------------------------------------------------------
+
+
+def _install() -> None:
+    """``fedml.init`` -> :func:`init`; FedMLRunner's cross-silo classes hand our classes their dataset and model."""
+    global _ORIGINAL_INIT
+    import fedml
+    from fedml.cross_silo.fedml_client import FedMLCrossSiloClient
+    from fedml.cross_silo.fedml_server import FedMLCrossSiloServer
+
+    if _ORIGINAL_INIT is not None:
+        return
+    _ORIGINAL_INIT = fedml.init
+    fedml.init = init
+    server_init, client_init = FedMLCrossSiloServer.__init__, FedMLCrossSiloClient.__init__
+
+    def server(self, args, device, dataset, model, server_aggregator=None):
+        if isinstance(server_aggregator, SSFLAggregator):
+            server_aggregator.receive(dataset, model)
+        server_init(self, args, device, dataset, model, server_aggregator)
+
+    def client(self, args, device, dataset, model, model_trainer=None):
+        if isinstance(model_trainer, SSFLTrainer):
+            model_trainer.receive(dataset, model)
+        client_init(self, args, device, dataset, model, model_trainer)
+
+    FedMLCrossSiloServer.__init__, FedMLCrossSiloClient.__init__ = server, client
+
+
+_install()
+
+__all__ = [
+    "SSFLAggregator",
+    "SSFLTrainer",
+    "check_dataset",
+    "config_of",
+    "create_model",
+    "exit_on_error",
+    "init",
+    "load_data",
+    "script_config",
+    "server_runtime",
+]

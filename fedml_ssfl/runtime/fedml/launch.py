@@ -11,7 +11,9 @@ import dataclasses
 import errno
 import ipaddress
 import logging
+import os
 import re
+import shlex
 import socket
 import warnings
 import zlib
@@ -184,8 +186,19 @@ def world_reason(cfg: ExperimentConfig) -> str:
     return f"train_args.client_num_per_round C_k = {t.client_num_per_round} needs C_k + 1 = {world_size(cfg)}"
 
 
+def mpirun_command(cfg: ExperimentConfig, config: str = "CONFIG") -> str:
+    """The command that runs ``cfg`` under mpirun on this machine, as it must be typed here.
+
+    ``--oversubscribe`` when the job has more processes than this machine has cores (Open MPI
+    otherwise refuses: "not enough slots"), as ``deploy/run_mpi.sh`` does.
+    """
+    n = world_size(cfg)
+    over = " --oversubscribe" if n > (os.cpu_count() or 1) else ""
+    return f"mpirun -np {n}{over} fedml-ssfl run --cf {shlex.quote(config)}"
+
+
 def np_hint(cfg: ExperimentConfig) -> str:
-    return f"mpirun -np {world_size(cfg)} fedml-ssfl run --cf CONFIG (deploy/run_mpi.sh computes -np from the config)"
+    return f"{mpirun_command(cfg)} (deploy/run_mpi.sh computes -np from the config)"
 
 
 def check_backend(cfg: ExperimentConfig) -> None:

@@ -117,10 +117,14 @@ class SiloWorker:
     Its client state never leaves the process: at checkpoint rounds (every payload says whether
     the round is one) it is written atomically to ``silo_dir(...)/checkpoints/silo_state.pt`` with
     the round, and a resumed run reloads it, refusing a file from another round or config.
+
+    ``source``, when given, stands in for the file: called with the metadata, it returns the silo's
+    data and model factory (a FedML script's list and module: :mod:`.hooks`).
     """
 
-    def __init__(self, cfg: ExperimentConfig, rank: int):
+    def __init__(self, cfg: ExperimentConfig, rank: int, source: Any = None):
         self.cfg, self.rank, self.silo = cfg, rank, rank - 1
+        self.source = source
         self.exp: Any = None
         self.state: dict[str, Any] = {}
         self.state_path: Path | None = None
@@ -131,7 +135,8 @@ class SiloWorker:
         intro = task.intro
         if intro is None:
             raise RuntimeError("the server's first message carries no metadata; restart the job")
-        self.exp = build_silo_experiment(self.cfg, intro.meta, self.rank)
+        data, factory = self.source(intro.meta) if self.source is not None else (None, None)
+        self.exp = build_silo_experiment(self.cfg, intro.meta, self.rank, data, factory)
         self.state_path = silo_dir(self.cfg, intro.run_name, self.silo) / "checkpoints" / SILO_STATE_NAME
         after = intro.resumed_after
         if after >= 0:
