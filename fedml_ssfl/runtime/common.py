@@ -561,10 +561,13 @@ class RunRecorder:
             f"`fedml-ssfl run --resume {self.run_dir}`"
         )
 
-    def fail(self, error: BaseException | str) -> RunFailed:
+    def fail(self, error: BaseException | str, cause: BaseException | None = None) -> RunFailed:
         """Write a ``failed`` summary; return the :class:`RunFailed` to raise (names the checkpoint).
 
-        When the summary cannot be written (the run folder is gone), the error says so.
+        When the summary cannot be written (the run folder is gone), the error says so. When the
+        failure is a damaged client state file of the checkpoint's own folder (``error``, or
+        ``cause`` when ``error`` is its text), the last checkpoint names that file too: the error
+        says it cannot be resumed as it is, instead of calling it good.
         """
         try:
             self._check_run_dir()
@@ -580,6 +583,13 @@ class RunRecorder:
         except OSError as exc:
             return RunFailed(f"{error} (summary.json was not written: {exc})")
         kept = self.ckpt_path if self.ckpt_path.exists() else "none yet"
+        damaged = cause if cause is not None else error
+        if isinstance(damaged, ClientStateError) and damaged.path is not None and kept != "none yet":
+            if damaged.path.parent == self.ckpt_path.parent / STATES_DIR:
+                return RunFailed(
+                    f"{error} The last checkpoint ({kept}) names that file too, so it cannot be resumed as it is: "
+                    f"restore {damaged.path} from a copy of the run folder, or start a new run"
+                )
         return RunFailed(f"{error} Last good checkpoint: {kept}")
 
     def close(self) -> None:
