@@ -16,7 +16,7 @@ Checkpoints (:func:`client_state_payload`) keep the resident states inline and l
 by digest; their files are hard-linked (or, across file systems, copied) into the checkpoint's
 ``client_states/`` folder and fsynced before the checkpoint is renamed into place, and
 :func:`prune_state_files` removes the files the new checkpoint no longer names only after it is
-written. A spill file is verified (its bytes hashed against the digest in its name) before it is
+written. A spill file is verified (its bytes hashed against the digest in its name) as it is
 linked, and a copy is verified as it is copied, so a spill file damaged since it was written never
 reaches a checkpoint: the checkpoint is not written, the error names the file, and the previous
 checkpoint, whose files are not that file, stays good. Once linked, a file is the checkpoint's, and
@@ -216,11 +216,12 @@ def verify_state_file(path: Path) -> None:
 def _place(src: Path, folder: Path) -> tuple[Path, bool]:
     """``src``, verified, under ``folder`` (same name): hard-linked, or else copied (and fsynced).
 
-    ``src``'s bytes are hashed against its name before it is linked (a copy is hashed as it is
-    copied), so a file damaged since it was written is refused (:class:`ClientStateError` naming
-    it) and never placed. A file of that name already in ``folder`` (placed for an earlier
-    checkpoint) is kept when it is intact, else replaced. Returns the new path and whether a link
-    was made that still needs an fsync (spill files are written without one).
+    ``src``'s bytes are hashed against its name once linked, before any checkpoint can name the link
+    (a copy is hashed as it is copied), so a file damaged since it was written is refused
+    (:class:`ClientStateError` naming it) and its link or copy removed. A file of that name already
+    in ``folder`` (placed for an earlier checkpoint) is kept when it is intact, else replaced.
+    Returns the new path and whether a link was made that still needs an fsync (spill files are
+    written without one).
     """
     dst = folder / src.name
     if dst.exists():
@@ -229,7 +230,6 @@ def _place(src: Path, folder: Path) -> tuple[Path, bool]:
             return dst, False
         except ClientStateError:
             dst.unlink(missing_ok=True)  # damaged; src, verified below, takes its place
-    verify_state_file(src)
     try:
         os.link(src, dst)
     except FileExistsError:
@@ -237,6 +237,11 @@ def _place(src: Path, folder: Path) -> tuple[Path, bool]:
     except OSError:  # another file system, or no hard links there: copy, hashing what is copied
         atomic_write(dst, lambda out: _copy_verified(src, out))
         return dst, False
+    try:  # the link is not named by any checkpoint yet: one read of the bytes, then it may be
+        verify_state_file(src)
+    except ClientStateError:
+        dst.unlink(missing_ok=True)
+        raise
     return dst, True
 
 
