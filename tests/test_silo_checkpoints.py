@@ -196,6 +196,22 @@ def test_an_intro_resets_or_reloads_a_running_silo_and_drops_rounds_never_commit
     assert not isinstance(reply, Failure) and worker.state == {} and saved_rounds(folder) == {}
 
 
+def test_a_task_delivered_twice_is_answered_twice_but_trained_once(setup):
+    cfg = deployed_config(setup, "twice")
+    server = build_experiment(cfg)
+    server.algorithm.setup()
+    server.algorithm.server_step(0)
+    msg = server.algorithm.message_for(0, 0)
+    worker = SiloWorker(cfg, 1)
+    task = Task(0, 0, 1, msg=msg, intro=Intro(_meta(cfg), cfg.run_dir().name, -1))
+    first = worker.handle(wire(task))
+    state = {k: v.clone() for k, v in worker.state["momentum"].items()}
+    again = worker.handle(wire(Task(0, 0, 1, msg=msg)))  # the same round once more, as a retried send delivers it
+    assert not isinstance(again, Failure) and again.round == 0
+    assert all(torch.equal(a, b) for a, b in zip(first.msg.weights.values(), again.msg.weights.values()))
+    assert all(torch.equal(worker.state["momentum"][k], v) for k, v in state.items())  # not trained twice
+
+
 def test_a_second_process_for_one_silos_folder_is_refused_naming_the_holder(setup):
     cfg = deployed_config(setup, "two-silos")
     first, second = SiloWorker(cfg, 1), SiloWorker(cfg, 1)

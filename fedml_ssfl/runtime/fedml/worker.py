@@ -150,6 +150,9 @@ class SiloWorker:
     so when the silo saves round r, the newest state it saved before r belongs to the round the
     server committed last: the silo keeps that one and the new one and removes older ones. Whatever
     point of whatever round a run fails at, the state matching the server's ``last.pt`` is on disk.
+
+    A task for the round the silo answered last, delivered again without an ``Intro`` (a send that
+    was retried after it had arrived), gets the same answer again: the state is not trained twice.
     """
 
     def __init__(self, cfg: ExperimentConfig, rank: int):
@@ -160,6 +163,7 @@ class SiloWorker:
         self.state: dict[str, Any] = {}
         self.folder: Path | None = None  # silo_dir(...)/checkpoints
         self.lock: FolderLock | None = None
+        self.answered: tuple[int, Reply] | None = None  # the last round answered, and the answer
 
     def introduce(self, intro: Intro) -> None:
         """Take the server's :class:`~.protocol.Intro`: build for its metadata and run folder, and set the client
@@ -238,8 +242,14 @@ class SiloWorker:
         try:
             if task.intro is not None:
                 self.introduce(task.intro)
+                self.answered = None
             elif self.exp is None:
                 raise RuntimeError("the server's first message carries no metadata; restart the job")
+            elif self.answered is not None and self.answered[0] == r:
+                log.info(
+                    "silo %d: round %d's task arrived again; answering it again without training", self.silo, r + 1
+                )
+                return self.answered[1]  # a second delivery (a retried send) must not train the state twice
             if task.silo != self.silo:
                 raise RuntimeError(f"rank {self.rank} serves silo {self.silo}, but was sent silo {task.silo}")
             reply = Reply(r, self.silo, self.rank, trained=task.train)
@@ -247,6 +257,7 @@ class SiloWorker:
                 reply.msg = _client_update(self.exp, task.msg, self.silo, r, self.state)
             if task.checkpoint:
                 self.save(r)
+            self.answered = (r, reply)
             return reply
         except Exception as exc:  # reported to the server, which stops the run naming this silo
             return _failure(r, self.silo, self.rank, exc)
