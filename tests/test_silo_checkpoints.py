@@ -181,18 +181,24 @@ def test_an_intro_resets_or_reloads_a_running_silo_and_drops_rounds_never_commit
     cfg = deployed_config(setup, "intro")
     silos: dict = {}
     drive(cfg, silos)
-    worker = silos[1]
-    folder = silo_dir(cfg, cfg.run_dir().name, 0) / "checkpoints"
-    after_2 = load_checkpoint(silo_state_path(folder, 1))["state"]
-    assert worker.state and sorted(saved_rounds(folder)) == [1, 2]
-    assert not isinstance(
-        worker.handle(Task(2, 0, 1, train=False, intro=Intro(_meta(cfg), cfg.run_dir().name, 1))), Failure
+
+    def saved(k, r):
+        return load_checkpoint(silo_state_path(silo_dir(cfg, cfg.run_dir().name, k) / "checkpoints", r))["state"]
+
+    # a silo that trained in round 3: its state now differs from the one it saved after round 2
+    k = next(
+        k
+        for k in range(3)
+        if not all(torch.equal(v, saved(k, 2)["momentum"][n]) for n, v in saved(k, 1)["momentum"].items())
     )
-    assert set(worker.state) == set(after_2)
-    for key, t in after_2.get("momentum", {}).items():
-        assert torch.equal(worker.state["momentum"][key], t)
+    worker, folder = silos[k + 1], silo_dir(cfg, cfg.run_dir().name, k) / "checkpoints"
+    assert sorted(saved_rounds(folder)) == [1, 2]
+    intro = Intro(_meta(cfg), cfg.run_dir().name, 1)  # a server restarted alone, resuming after round 2
+    assert not isinstance(worker.handle(Task(2, k, k + 1, train=False, intro=intro)), Failure)
+    for name, t in saved(k, 1)["momentum"].items():  # reloaded: the state after round 2, not the one in memory
+        assert torch.equal(worker.state["momentum"][name], t), name
     assert sorted(saved_rounds(folder)) == [1]  # round 3's state: the server never committed it in this timeline
-    reply = worker.handle(Task(0, 0, 1, train=False, intro=Intro(_meta(cfg), cfg.run_dir().name, -1)))
+    reply = worker.handle(Task(0, k, k + 1, train=False, intro=Intro(_meta(cfg), cfg.run_dir().name, -1)))
     assert not isinstance(reply, Failure) and worker.state == {} and saved_rounds(folder) == {}
 
 
