@@ -117,6 +117,27 @@ def test_resume_after_stop_continues_bit_for_bit(small_config, tmp_path):
     assert resumed.final_acc == full.final_acc
 
 
+def test_a_failure_in_a_checkpoint_round_of_pooled_workers_resumes_bit_for_bit(small_config, tmp_path):
+    """Simulation mode keeps every silo's state in the server's checkpoint (uploaded at checkpoint rounds):
+    a worker failing after its update in a checkpoint round leaves the previous last.pt, which resumes."""
+    from fedml_ssfl.runtime.fedml.protocol import Failure
+
+    cfg = small_config(*FEDSEAL, "train_args.comm_round=3", "tracking_args.checkpoint_every=1")
+    full, _, _ = run_protocol(cfg, tmp_path / "full")
+
+    def fail_in_round_2(r, rank, up):
+        return Failure(r, up.silo, rank, "RuntimeError: injected after the update") if r == 1 and rank == 2 else up
+
+    with pytest.raises(RunFailed, match="failed in round 2: RuntimeError: injected"):
+        run_protocol(cfg, tmp_path / "part", tamper=fail_in_round_2)
+    assert load_checkpoint(tmp_path / "part" / "checkpoints" / "last.pt")["round"] == 0
+    resumed, _, _ = run_protocol(cfg, tmp_path / "part", resume=True)
+    a = load_checkpoint(full.run_dir / "checkpoints" / "last.pt")
+    b = load_checkpoint(resumed.run_dir / "checkpoints" / "last.pt")
+    assert all(torch.equal(v, b["algorithm"]["global_state"][k]) for k, v in a["algorithm"]["global_state"].items())
+    assert resumed.final_acc == full.final_acc and [r["round"] for r in rows(resumed.run_dir)] == [1, 2, 3]
+
+
 def test_malformed_reply_is_refused_and_the_round_goes_on(small_config, tmp_path):
     cfg = small_config("train_args.client_num_per_round=2", "train_args.comm_round=2")
 

@@ -81,7 +81,7 @@ from ...config import SCRIPT_DATA, ConfigError, ExperimentConfig, load_config, l
 from ...data import ImageDataset
 from ...errors import error_line
 from ...experiment import build_experiment, deployed, script_data
-from ..common import RunFailed, RunResult, fresh_run_dir
+from ..common import RunFailed, RunResult, fresh_run_dir, hold_run_folder
 from .launch import _fedml_offline, _with_device, check_server_counts, grpc_rank, mpi_rank, worker_count
 from .payloads import decode, encode
 from .protocol import Finish
@@ -397,7 +397,10 @@ def server_runtime(cfg: ExperimentConfig, dataset: ImageDataset | None = None, f
         check_server_counts(cfg, exp)
     exp.algorithm.setup()
     run_dir = fresh_run_dir(cfg.run_dir())
-    return DeployedServerRuntime(cfg, exp, run_dir, None, worker_count(cfg), None, cfg.comm_args.backend)
+    lock = hold_run_folder(run_dir)
+    runtime = DeployedServerRuntime(cfg, exp, run_dir, None, worker_count(cfg), None, cfg.comm_args.backend)
+    runtime.folder_lock = lock  # held while the runtime lives (released when the process ends)
+    return runtime
 
 
 def cli_settings(argv: list[str]) -> list[str]:
