@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,73 +103,85 @@ USABILITY_EPS = {
 }
 """The execution providers onnxruntime's usability check reports on, and their keys in the export report."""
 
-_EP_SECTION = re.compile(r"Checking (" + "|".join(USABILITY_EPS) + r")\s*$")
-_IF_FIXED = "Partition information if the model was updated to make the shapes fixed"
-_TOTALS = re.compile(r"(\d+) partitions with a total of (\d+)/(\d+) nodes can be handled by the .+ EP\.")
-_SIZES = re.compile(r"Partition sizes: \[([\d, ]*)\]")
-_UNSUPPORTED = re.compile(r"Unsupported ops: (\S+)")
-_DYNAMIC = re.compile(r"Unsupported nodes due to input having a dynamic shape=(\d+)")
-_VERDICT = re.compile(r"Model should perform well with .+ as is: (\w+)")
-_VERDICT_FIXED = re.compile(r"Model should perform well with .+ if modified to have fixed input shapes: (\w+)")
+
+def _usability_checks():
+    """(name, key, check) per execution provider: onnxruntime's partition estimate, ``check(model, fixed)``."""
+    from onnxruntime.tools.mobile_helpers import usability_checker as uc
+
+    def coreml(ops_file: str):
+        return lambda model, fixed: uc.check_coreml_partitions(model, fixed, ops_file)
+
+    checks = {"NNAPI": uc.check_nnapi_partitions,
+              "CoreML NeuralNetwork": coreml("coreml_supported_neuralnetwork_ops.md"),
+              "CoreML MLProgram": coreml("coreml_supported_mlprogram_ops.md")}
+    return [(name, USABILITY_EPS[name], checks[name]) for name in USABILITY_EPS]
 
 
-def parse_usability_report(text: str) -> dict[str, dict[str, Any]]:
-    """NNAPI / CoreML coverage from the text of onnxruntime's mobile usability check.
+def _partition_figures(info) -> dict[str, Any]:
+    """The figures of one of onnxruntime's ``PartitioningInfo`` objects, and its verdict."""
+    return {
+        "supported_nodes": info.num_supported_nodes,
+        "nodes": info.num_nodes,
+        "share": round(info.num_supported_nodes / info.num_nodes, 4) if info.num_nodes else 0.0,
+        "partitions": info.num_partitions,
+        "partition_sizes": [len(group) for group in info.supported_groups],
+        "unsupported_ops": sorted(info.unsupported_ops),
+        "dynamic_shape_nodes": info.nodes_unsupported_due_to_dynamic_input,
+        "verdict": info.suitability().name,
+    }
+
+
+def usability_coverage(path: str | Path, logger: logging.Logger | None = None) -> dict[str, dict[str, Any]]:
+    """NNAPI / CoreML coverage of an ONNX model, from onnxruntime's usability checker's own functions.
+
+    Does what ``python -m onnxruntime.tools.check_onnx_model_mobile_usability`` does (the graph after
+    onnxruntime's basic optimizations, with ONNX shape inference), but keeps the figures of the
+    ``PartitioningInfo`` objects its ``check_*_partitions`` functions return instead of their log text.
 
     Returns
     -------
     dict
         Per execution provider (``nnapi``, ``coreml_neuralnetwork``, ``coreml_mlprogram``):
         ``supported_nodes``, ``nodes``, ``share``, ``partitions``, ``partition_sizes``,
-        ``unsupported_ops``, ``dynamic_shape_nodes``, ``verdict`` (the tool's YES / MAYBE / NO), and
-        for a model with dynamic inputs the tool's estimate ``if_shapes_fixed`` (same keys).
-
-    Raises
-    ------
-    ValueError
-        The text lacks an execution provider's totals (the tool's wording changed).
+        ``unsupported_ops``, ``dynamic_shape_nodes``, ``verdict`` (YES / MAYBE / NO); for a model with
+        dynamic inputs that is not a YES as it is, also ``if_shapes_fixed`` (the same figures, shapes
+        assumed fixed), as the tool estimates. ``logger``, when given, receives the tool's own
+        analysis text (INFO).
     """
+    import tempfile
+
+    from onnxruntime.tools.mobile_helpers import usability_checker as uc
+    from onnxruntime.tools.onnx_model_utils import ModelProtoWithShapeInfo, optimize_model
+
+    log = logger or logging.getLogger("mobile_export.usability")
+    with tempfile.TemporaryDirectory(prefix="mobile_export_usability_") as tmp:
+        optimized = Path(tmp) / Path(path).name
+        optimize_model(Path(path), optimized, use_external_initializers=True)  # basic level, as the tool does
+        model = ModelProtoWithShapeInfo(optimized).model_with_shape_info
+    dynamic_inputs, _ = uc.check_shapes(model.graph, log)
     out: dict[str, dict[str, Any]] = {}
-    cur: dict[str, Any] | None = None
-    for line in text.splitlines():
-        if m := _EP_SECTION.search(line):
-            cur = out.setdefault(USABILITY_EPS[m.group(1)], {"partition_sizes": [], "unsupported_ops": [],
-                                                             "dynamic_shape_nodes": 0})
-            section = cur
-        elif cur is None:
-            continue
-        elif _IF_FIXED in line:
-            cur = section["if_shapes_fixed"] = {"partition_sizes": [], "unsupported_ops": [], "dynamic_shape_nodes": 0}
-        elif m := _TOTALS.search(line):
-            parts, supported, nodes = (int(g) for g in m.groups())
-            cur.update(partitions=parts, supported_nodes=supported, nodes=nodes,
-                       share=round(supported / nodes, 4) if nodes else 0.0)
-        elif m := _SIZES.search(line):
-            cur["partition_sizes"] = [int(v) for v in m.group(1).split(",") if v.strip()]
-        elif m := _UNSUPPORTED.search(line):
-            cur["unsupported_ops"] = m.group(1).split(",")
-        elif m := _DYNAMIC.search(line):
-            cur["dynamic_shape_nodes"] = int(m.group(1))
-        elif m := _VERDICT.search(line):
-            section["verdict"] = m.group(1)
-        elif m := _VERDICT_FIXED.search(line):
-            section["if_shapes_fixed"]["verdict"] = m.group(1)
-    missing = [k for k in USABILITY_EPS.values() if "nodes" not in out.get(k, {})]
-    if missing:
-        raise ValueError(f"no node totals for {', '.join(missing)} in the usability report")
+    for name, key, check in _usability_checks():
+        log.info("Checking %s", name)
+        info = check(model, True)  # dynamic shapes count against a node, as on a device
+        info.print_analysis(log, name)
+        out[key] = _partition_figures(info)
+        if dynamic_inputs and out[key]["verdict"] != "YES":
+            fixed = check(model, False)
+            log.info("Partition information if the model was updated to make the shapes fixed:")
+            fixed.print_analysis(log, name)
+            out[key]["if_shapes_fixed"] = _partition_figures(fixed)
+        log.info("Model should perform well with %s as is: %s", name, out[key]["verdict"])
     return out
 
 
 def mobile_usability(path: str | Path, report_path: str | Path, label: str | None = None) -> dict[str, Any]:
-    """onnxruntime's ORT-mobile usability check; its log is saved to ``report_path`` and parsed.
+    """onnxruntime's ORT-mobile usability check (:func:`usability_coverage`); its analysis saved to ``report_path``.
 
     The check is advisory (it says whether NNAPI / CoreML would take the model, and which ops
     keep a model on the CPU execution provider); it fails only if it cannot analyse the model.
-    ``coverage`` holds :func:`parse_usability_report`'s figures (None, with ``parse_error``, if
-    the text could not be read). ``label`` replaces the model's path in the saved text.
+    ``coverage`` holds the figures; the text at ``report_path`` is the tool's own analysis, for a
+    person. ``label`` replaces the model's path in the saved text.
     """
-    from onnxruntime.tools.mobile_helpers import usability_checker
-
     buf = io.StringIO()
     logger = logging.getLogger(f"mobile_export.usability.{Path(path).name}")
     logger.setLevel(logging.INFO)
@@ -178,11 +189,12 @@ def mobile_usability(path: str | Path, report_path: str | Path, label: str | Non
     handler = logging.StreamHandler(buf)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logger.addHandler(handler)
+    coverage, error = None, None
     try:
-        try_eps = bool(usability_checker.analyze_model(Path(path), skip_optimize=False, logger=logger))
-        error = None
-    except Exception as exc:  # the checker's own failures
-        try_eps, error = False, f"{type(exc).__name__}: {exc}"
+        logger.info("Checking %s for usability with ORT Mobile.", label or path)
+        coverage = usability_coverage(path, logger)
+    except Exception as exc:  # the checker's own failures (an unreadable model, shape inference)
+        error = f"{type(exc).__name__}: {exc}"
         logger.error("usability check could not analyse the model: %s", error)
     finally:
         logger.removeHandler(handler)
@@ -190,16 +202,12 @@ def mobile_usability(path: str | Path, report_path: str | Path, label: str | Non
     if label:
         text = text.replace(str(path), label)
     Path(report_path).write_text(text, encoding="utf-8")
+    try_eps = any(c["verdict"] != "NO" or c.get("if_shapes_fixed", {}).get("verdict", "NO") != "NO"
+                  for c in (coverage or {}).values())  # the tool's rule: some EP is not a NO, as is or fixed
     verdict = ("NNAPI or CoreML may help; compare them against the CPU EP" if try_eps
                else "use the CPU execution provider")
-    out = {"passed": error is None, "error": error, "report": Path(report_path).name, "recommendation": verdict,
-           "coverage": None}
-    if error is None:
-        try:
-            out["coverage"] = parse_usability_report(text)
-        except ValueError as exc:
-            out["parse_error"] = str(exc)
-    return out
+    return {"passed": error is None, "error": error, "report": Path(report_path).name, "recommendation": verdict,
+            "coverage": coverage}
 
 
 def coverage_line(coverage: dict[str, dict[str, Any]] | None) -> str:

@@ -289,36 +289,43 @@ def test_mobile_usability_coverage_is_in_the_report(full_export):
     assert f"{cov['nnapi']['supported_nodes']}/{cov['nnapi']['nodes']} nodes can be handled by the NNAPI EP" in text
 
 
-def test_usability_report_parser():
-    text = (
-        "INFO: Checking NNAPI\nINFO: 2 partitions with a total of 17/21 nodes can be handled by the NNAPI EP.\n"
-        "INFO: \tPartition sizes: [16, 1]\nINFO: \tUnsupported ops: ai.onnx:ArgMax,ai.onnx:Where\n"
-        "INFO: Model should perform well with NNAPI as is: MAYBE\n"
-        "INFO: Checking CoreML NeuralNetwork\nINFO: 0 partitions with a total of 0/21 nodes can be handled by the "
-        "CoreML NeuralNetwork EP.\nINFO: Unsupported nodes due to input having a dynamic shape=21\n"
-        "INFO: Partition information if the model was updated to make the shapes fixed:\n"
-        "INFO: 2 partitions with a total of 16/21 nodes can be handled by the CoreML NeuralNetwork EP.\n"
-        "INFO: Model should perform well with CoreML NeuralNetwork if modified to have fixed input shapes: NO\n"
-        "INFO: Checking CoreML MLProgram\nINFO: 1 partitions with a total of 18/21 nodes can be handled by the "
-        "CoreML MLProgram EP.\n"
-    )
-    cov = verify.parse_usability_report(text)
-    assert cov["nnapi"] == {
-        "partitions": 2,
-        "supported_nodes": 17,
-        "nodes": 21,
-        "share": 0.8095,
-        "partition_sizes": [16, 1],
-        "unsupported_ops": ["ai.onnx:ArgMax", "ai.onnx:Where"],
+def test_usability_figures_come_from_onnxruntimes_functions(tmp_path):
+    """A graph whose answer is known: Conv (NNAPI and CoreML take it), then ArgMax (NNAPI does not)."""
+    from onnx import TensorProto, helper
+
+    def model(batch) -> onnx.ModelProto:
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 1, 4, 4])
+        y = helper.make_tensor_value_info("y", TensorProto.INT64, [batch, 1, 4])
+        w = onnx.numpy_helper.from_array(np.ones((2, 1, 1, 1), np.float32), "w")
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("ArgMax", ["c"], ["y"], axis=1)]
+        graph_proto = helper.make_graph(nodes, "g", [x], [y], [w])
+        return helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)])
+
+    onnx.save(model(1), str(tmp_path / "fixed.onnx"))
+    onnx.save(model("N"), str(tmp_path / "dynamic.onnx"))
+    fixed = verify.usability_coverage(tmp_path / "fixed.onnx")["nnapi"]
+    assert fixed == {
+        "supported_nodes": 1,
+        "nodes": 2,
+        "share": 0.5,
+        "partitions": 1,
+        "partition_sizes": [1],
+        "unsupported_ops": ["ai.onnx:ArgMax"],
         "dynamic_shape_nodes": 0,
-        "verdict": "MAYBE",
+        "verdict": "NO",  # one partition of half the nodes
     }
-    nn = cov["coreml_neuralnetwork"]
-    assert (nn["supported_nodes"], nn["dynamic_shape_nodes"]) == (0, 21)
-    assert (nn["if_shapes_fixed"]["supported_nodes"], nn["if_shapes_fixed"]["verdict"]) == (16, "NO")
-    assert cov["coreml_mlprogram"]["supported_nodes"] == 18
-    with pytest.raises(ValueError, match="coreml_mlprogram"):
-        verify.parse_usability_report(text.split("INFO: Checking CoreML MLProgram")[0])
+    dynamic = verify.usability_coverage(tmp_path / "dynamic.onnx")["nnapi"]
+    # both nodes have an input of dynamic shape (ArgMax is counted for that as well as for its operator)
+    assert (dynamic["supported_nodes"], dynamic["partitions"], dynamic["dynamic_shape_nodes"]) == (0, 0, 2)
+    assert dynamic["if_shapes_fixed"]["supported_nodes"] == 1 and dynamic["if_shapes_fixed"]["partitions"] == 1
+    result = verify.mobile_usability(tmp_path / "fixed.onnx", tmp_path / "report.txt", label="fixed graph")
+    assert result["passed"] and result["coverage"]["nnapi"] == fixed
+    text = (tmp_path / "report.txt").read_text()  # onnxruntime's own analysis, for a person
+    assert "Checking fixed graph for usability" in text and "1/2 nodes can be handled by the NNAPI EP" in text
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    result = verify.mobile_usability(broken, tmp_path / "broken.txt")
+    assert not result["passed"] and result["coverage"] is None and result["error"]
 
 
 def test_required_operators_config_for_a_reduced_build(full_export):
