@@ -8,6 +8,7 @@ model against the float one.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ from .edge_label import (
     FORMAT_TAG,
     INPUT_DTYPES,
     INPUT_NAMES,
-    OPTIONAL_INPUTS,
     OUTPUT_DTYPES,
     OUTPUT_NAMES,
+    image_rule_metadata,
     model_batch_size,
     run_batches,
 )
@@ -68,7 +69,7 @@ def make_session(path: str | Path, threads: int = 0):
 def run_session(session, images: np.ndarray, thresholds=None, batch_size: int = 256) -> Predictions:
     """Run the edge graph over ``images`` (see :func:`mobile_export.edge_label.run_batches`).
 
-    ``thresholds`` None feeds ``images`` alone, so the model's baked-in defaults apply.
+    ``thresholds`` None: the model's own (its constant); given: ``mask`` is for them.
     """
     probs, label, conf, mask = run_batches(session, images, thresholds, batch_size)
     if probs is None:
@@ -222,24 +223,30 @@ def coverage_line(coverage: dict[str, dict[str, Any]] | None) -> str:
 _ORT_TYPES = {"uint8": "tensor(uint8)", "float32": "tensor(float)", "int64": "tensor(int64)"}
 
 
-def check_contract(session, images: np.ndarray, default_thresholds, batch_size: int | None) -> dict[str, Any]:
-    """Does the model in ``session`` keep the edge contract? Names, dtypes, batch, version, defaults.
+def input_shape(session) -> list[int | str]:
+    """The ``images`` input's shape as the file holds it, ``"N"`` for a dynamic batch: the source of truth."""
+    images = next(i for i in session.get_inputs() if i.name == INPUT_NAMES[0])
+    return [d if isinstance(d, int) and d > 0 else "N" for d in images.shape]
 
-    Checks: the required inputs are ``images`` alone (uint8, batch ``batch_size`` or dynamic when
-    None) and ``thresholds`` is an overridable initializer; the outputs are
-    :data:`~mobile_export.edge_label.OUTPUT_NAMES` with :data:`~mobile_export.edge_label.OUTPUT_DTYPES`;
-    ``model_version`` and the ``format`` metadata say this contract; run on ``images`` with
-    ``images`` fed alone, ``mask`` is ``confidence >= default_thresholds[label]`` as 0/1.
+
+def check_contract(session, images: np.ndarray, default_thresholds, batch_size: int | None) -> dict[str, Any]:
+    """Does the model in ``session`` keep the edge contract? Names, dtypes, shape, version, metadata, thresholds.
+
+    Checks: ``images`` is the only input (uint8, batch ``batch_size`` or dynamic when None) and
+    nothing is overridable (``thresholds`` a constant, not an input with a default); the outputs
+    are :data:`~mobile_export.edge_label.OUTPUT_NAMES` with :data:`~mobile_export.edge_label.OUTPUT_DTYPES`;
+    ``model_version`` and the ``format`` metadata say this contract; the ``input_shape`` metadata
+    is the ``images`` input's shape and the image rule's keys are there; run on ``images``, ``mask``
+    is ``confidence >= default_thresholds[label]`` as 0/1.
     """
     failures = []
     inputs = {i.name: i for i in session.get_inputs()}
-    required = [n for n in INPUT_NAMES if n not in OPTIONAL_INPUTS]
-    if list(inputs) != required:
-        failures.append(f"required inputs are {list(inputs)}, expected {required}")
+    if list(inputs) != list(INPUT_NAMES):
+        failures.append(f"inputs are {list(inputs)}, expected {list(INPUT_NAMES)}")
     overridable = [i.name for i in session.get_overridable_initializers()]
-    if list(OPTIONAL_INPUTS) != [n for n in overridable if n in INPUT_NAMES]:
-        failures.append(f"optional inputs (overridable initializers) are {overridable}, "
-                        f"expected {list(OPTIONAL_INPUTS)}")
+    if overridable:
+        failures.append(f"{overridable} can be fed as inputs (initializers listed among the graph's inputs); "
+                        "expected constants only")
     images_in = inputs.get(INPUT_NAMES[0])
     if images_in is not None and images_in.type != _ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]:
         failures.append(f"images is {images_in.type}, expected {_ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]}")
@@ -251,19 +258,28 @@ def check_contract(session, images: np.ndarray, default_thresholds, batch_size: 
     if outputs != want:
         failures.append(f"outputs are {outputs}, expected {want}")
     meta = session.get_modelmeta()
-    if meta.version != EDGE_FORMAT_VERSION or meta.custom_metadata_map.get("format") != FORMAT_TAG:
-        failures.append(f"model_version {meta.version} / format {meta.custom_metadata_map.get('format')!r}, "
+    props = meta.custom_metadata_map
+    if meta.version != EDGE_FORMAT_VERSION or props.get("format") != FORMAT_TAG:
+        failures.append(f"model_version {meta.version} / format {props.get('format')!r}, "
                         f"expected {EDGE_FORMAT_VERSION} / {FORMAT_TAG!r}")
+    shape = input_shape(session) if images_in is not None else None
+    if shape is not None and props.get("input_shape") != json.dumps(shape):
+        failures.append(f"metadata input_shape is {props.get('input_shape')}, the images input's shape {shape}")
+    if shape is not None and len(shape) == 4:
+        rule = image_rule_metadata(shape[1])
+        wrong = {k: props.get(k) for k, v in rule.items() if props.get(k) != v}
+        if wrong:
+            failures.append(f"image rule metadata {wrong}, expected {rule}")
     mask_ok = None
     if not failures:
         probs, label, conf, mask = run_batches(session, images)
         thr = np.asarray(default_thresholds, dtype=np.float32)
         mask_ok = bool(mask.dtype == np.uint8 and np.array_equal(mask, (conf >= thr[label]).astype(np.uint8)))
         if not mask_ok:
-            failures.append("with images fed alone, mask is not confidence >= the default thresholds[label]")
-    return {"passed": not failures, "failures": failures, "inputs": list(inputs), "optional_inputs": overridable,
-            "outputs": outputs, "batch_size": got_batch or "dynamic", "model_version": meta.version,
-            "default_thresholds_mask": mask_ok}
+            failures.append("mask is not confidence >= the default thresholds[label]")
+    return {"passed": not failures, "failures": failures, "inputs": list(inputs), "overridable": overridable,
+            "input_shape": shape, "outputs": outputs, "batch_size": got_batch or "dynamic",
+            "model_version": meta.version, "default_thresholds_mask": mask_ok}
 
 
 def compare_float(reference: Predictions, got: Predictions, rtol: float = PROB_RTOL,
