@@ -559,6 +559,8 @@ def _read_file(path: Path, done: list[str]) -> np.ndarray:
         from PIL import Image, UnidentifiedImageError
     except ImportError as exc:
         raise EdgeInputError(f"{path}: reading image files needs Pillow (pip install pillow)") from exc
+    if not path.is_file():
+        raise EdgeInputError(f"image file {path} does not exist")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size check below refuses it
@@ -760,8 +762,9 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
     Returns
     -------
     dict
-        Summary: counts, mask rate, seconds, images per second, output paths, and ``prepared``:
-        how many image files the rule resized, rotated, converted (empty for a batch).
+        Summary: counts, mask rate, seconds, images per second, output paths, ``image_shape``
+        (C, H, W), and ``prepared``: how many image files the rule resized, rotated, converted
+        (empty for a batch).
     """
     labeler = EdgeLabeler(model, threads=threads)
     steps: Counter = Counter()
@@ -812,7 +815,7 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
         "seconds": seconds, "images_per_second": n / seconds if seconds > 0 else float("inf"),
         "batch_size": labeler.info.batch_size or batch_size, "model": str(model), "precision": labeler.info.precision,
         "model_version": labeler.info.model_version, "ensemble": ensemble_state is not None,
-        "prepared": dict(steps), "input_shape": list(labeler.info.shape),
+        "prepared": dict(steps), "image_shape": list(labeler.info.shape),
         "outputs": [str(out / f"pseudo_labels.{ext}") for ext in ("csv", "jsonl", "npz")],
     }
 
@@ -851,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({s['precision']} model, batch {s['batch_size']}); {s['passed_threshold']} pass the threshold "
           f"({100 * s['mask_rate']:.1f}%){', self-ensemble' if s['ensemble'] else ''}")
     if s["prepared"]:
-        c, h, w = s["input_shape"]
+        c, h, w = s["image_shape"]
         done = ", ".join(f"{n} {step}" for step, n in sorted(s["prepared"].items()))
         print(f"image rule ({w}x{h}, {channel_order(c)}): {done}")
     print(f"wrote {', '.join(s['outputs'])}")

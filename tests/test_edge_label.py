@@ -297,6 +297,7 @@ def test_the_image_rule_pinned_by_value(tmp_path):
         (np.zeros((3, 8, 8), np.uint8), r"channels first\? pass image\.transpose\(1, 2, 0\)"),
         (np.zeros((8, 8, 5), np.uint8), r"expected \(H, W\) grey or \(H, W, C\)"),
         ([[0, 1]], "expected a file path, a Pillow image or a numpy array, got list"),
+        ("nowhere.png", "image file nowhere.png does not exist"),
     ],
 )
 def test_an_image_the_rule_cannot_take_is_named(image, message):
