@@ -6,7 +6,9 @@ Copy this one file and a ``model.onnx`` / ``model.ort`` (or ``model.int8.*``) to
     python edge_label.py model.int8.ort photos/ --out labels/ --ensemble-state ensemble.npz
 
 Input: a ``.npy`` batch of uint8 images ``(N, C, H, W)``, a ``.npz`` with ``images`` (and
-optionally ``ids``), or a folder of image files (PNG/JPEG/..., read with Pillow). Output, in
+optionally ``ids``), or a folder of image files (PNG/JPEG/..., read with Pillow) of any size and
+mode, which the image rule brings to the model's input (:func:`prepare_image`: EXIF orientation,
+8 bits, alpha over black, scaled to cover H x W and centre-cropped, luma or R, G, B). Output, in
 ``--out``: ``pseudo_labels.csv`` and ``pseudo_labels.jsonl`` (id, label, class name, confidence,
 mask; probabilities in the JSONL) and ``pseudo_labels.npz`` (the same as arrays, to feed back
 into training). Throughput is printed. The ``.ort`` files are exported for phones with a fixed
@@ -22,9 +24,9 @@ probabilities, counts), written atomically.
 Inputs are bounded before anything is decoded: a model file may have :data:`MAX_MODEL_BYTES`; the
 shape and dtype of a ``.npy`` (or of an ``.npz`` member) come from its header, object (pickled)
 arrays are refused unread, and the decoded size must fit :func:`input_budget` (a quarter of the
-memory this process may use); an image file must have the model's size, read from its header, so
-a decompression bomb is refused before its pixels exist. Every refusal is one line naming the file
-and the fix (``edge_label: error: ...``, exit 2; a file that cannot be written, exit 1).
+memory this process may use); an image file's size is read from its header and refused beyond
+:data:`MAX_IMAGE_PIXELS`, so a decompression bomb is refused before its pixels exist. Every refusal is
+one line naming the file and the fix (``edge_label: error: ...``, exit 2; a file that cannot be written, exit 1).
 
 This module must not import torch (a test runs it where importing torch fails) nor fedml_ssfl (it
 is copied to devices alone); the only optional dependency is Pillow, for image folders.
@@ -45,28 +47,55 @@ import tempfile
 import time
 import warnings
 import zipfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 # The edge contract, defined here once (the exporter and its checks import it; this file runs alone).
-EDGE_FORMAT_VERSION = 2
+EDGE_FORMAT_VERSION = 3
 """Version of the contract below. Written as the model's ``model_version`` (ModelProto) and in its
-``format`` metadata; apps check it before trusting names and dtypes. 2: ``mask`` uint8 (was bool),
-``thresholds`` optional with the defaults baked in (was required)."""
+``format`` metadata; apps check it before trusting names and dtypes. 3: ``thresholds`` is a constant of
+the graph, ``images`` the only input (2 had it as an optional input, which onnxruntime warned about on
+every load), and the image rule's metadata keys. 2: ``mask`` uint8 (was bool), ``thresholds`` optional
+with the defaults baked in (was required)."""
 FORMAT_TAG = f"fedml_ssfl.edge/{EDGE_FORMAT_VERSION}"
-READABLE_FORMATS = {"fedml_ssfl.edge/1": 1, FORMAT_TAG: EDGE_FORMAT_VERSION}
+READABLE_FORMATS = {"fedml_ssfl.edge/1": 1, "fedml_ssfl.edge/2": 2, FORMAT_TAG: EDGE_FORMAT_VERSION}
 """``format`` metadata this runner reads, and the contract version each one means."""
 STATE_FORMAT = "fedml_ssfl.edge.ensemble/1"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm", ".pnm")
-INPUT_NAMES = ("images", "thresholds")  # uint8 images (N, C, H, W) and per-class thresholds (K,)
-OPTIONAL_INPUTS = ("thresholds",)  # an initializer of the same name holds the default: feed it only to override
+INPUT_NAMES = ("images",)  # uint8 images (N, C, H, W): the graph's only input
+THRESHOLDS = "thresholds"
+"""The graph's constant (K,) of per-class default thresholds (metadata ``default_thresholds``). An input in
+contracts 1 (required) and 2 (optional, with that default)."""
 OUTPUT_NAMES = ("probs", "label", "confidence", "mask")  # the edge graph's outputs, in order
-INPUT_DTYPES = {"images": "uint8", "thresholds": "float32"}
+INPUT_DTYPES = {"images": "uint8"}
 OUTPUT_DTYPES = {"probs": "float32", "label": "int64", "confidence": "float32", "mask": "uint8"}
 """numpy names of the graph's element types. ``mask`` is 0/1 uint8: onnxruntime's Objective-C / Swift
 API has no bool tensor type."""
+
+# The image rule: how any picture becomes the model's input (:func:`prepare_image`; docs/edge.md).
+LAYOUT = "NCHW"
+RESIZE_RULE = "shorter_side_center_crop"
+"""Scale so that the image covers H x W with its aspect ratio kept (the shorter side, for a square
+model), then take the centre H x W: the largest centred region of the model's aspect ratio, resampled."""
+RESAMPLE = "bilinear"
+"""The resampling filter of :data:`RESIZE_RULE`: Pillow's bilinear filter, which widens to the scale
+when shrinking (every source pixel under an output pixel counts)."""
+LUMA_WEIGHTS = (299, 587, 114)
+"""ITU-R BT.601 luma, per mille: ``L = (299 R + 587 G + 114 B + 500) // 1000`` (rounded)."""
+
+
+def channel_order(channels: int) -> str:
+    """The ``channel_order`` metadata: ``L`` (luma) for 1 channel, ``RGB`` for 3."""
+    return {1: "L", 3: "RGB"}.get(channels, f"{channels} channels, as in the training data")
+
+
+def image_rule_metadata(channels: int) -> dict[str, str]:
+    """The image rule's metadata keys for a model of ``channels`` channels (the exporter writes them)."""
+    return {"layout": LAYOUT, "channel_order": channel_order(channels), "resize": RESIZE_RULE,
+            "resample": RESAMPLE}
 
 
 MAX_MODEL_BYTES = 2**31
@@ -194,6 +223,11 @@ class ModelInfo:
         return len(self.class_names)
 
     @property
+    def shape(self) -> tuple[int, int, int]:
+        """One image as the model takes it: (C, H, W)."""
+        return self.channels, self.height, self.width
+
+    @property
     def expected(self) -> str:
         return f"uint8 images of shape (N, {self.channels}, {self.height}, {self.width}) (N, C, H, W)"
 
@@ -207,14 +241,19 @@ def model_batch_size(session) -> int | None:
 def run_batches(session, images: np.ndarray, thresholds=None, batch_size: int = 256) -> list[np.ndarray]:
     """Run an edge model over ``images``; the outputs in :data:`OUTPUT_NAMES` order, one row per image.
 
-    ``thresholds`` None feeds ``images`` alone (the model's baked-in defaults apply; a format-1
-    model needs them given). A model with a fixed batch runs in batches of that size, the last one
-    padded with zeros and the padding dropped from the outputs; ``batch_size`` applies otherwise.
-    With no images every entry is None.
+    ``thresholds`` None feeds ``images`` alone: the model's own thresholds apply (a graph constant
+    since contract 3, the baked-in default of an optional input in contract 2; a contract-1 model
+    needs them given). Given, they are fed where the model takes them as an input (contracts 1 and
+    2); otherwise ``mask`` is recomputed from the outputs as the graph computes it,
+    ``confidence >= thresholds[label]``. A model with a fixed batch runs in batches of that size, the
+    last one padded with zeros and the padding dropped from the outputs; ``batch_size`` applies
+    otherwise. With no images every entry is None.
     """
     fixed = model_batch_size(session)
     step = fixed or batch_size
-    feed = {} if thresholds is None else {INPUT_NAMES[1]: np.asarray(thresholds, dtype=np.float32)}
+    thr = None if thresholds is None else np.asarray(thresholds, dtype=np.float32)
+    takes = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
+    feed = {THRESHOLDS: thr} if thr is not None and THRESHOLDS in takes else {}
     parts: list[list[np.ndarray]] = [[] for _ in OUTPUT_NAMES]
     for start in range(0, len(images), step):
         chunk = images[start : start + step]
@@ -224,7 +263,11 @@ def run_batches(session, images: np.ndarray, thresholds=None, batch_size: int = 
         out = session.run(list(OUTPUT_NAMES), {INPUT_NAMES[0]: chunk, **feed})
         for acc, arr in zip(parts, out):
             acc.append(arr[:n])
-    return [np.concatenate(p) if p else None for p in parts]
+    result = [np.concatenate(p) if p else None for p in parts]
+    if thr is not None and not feed and result[0] is not None:
+        _, label, confidence, mask = result
+        result[3] = (confidence >= thr[label]).astype(mask.dtype)
+    return result
 
 
 def _ort_reason(exc: BaseException) -> str:
@@ -281,7 +324,8 @@ class EdgeLabeler:
             raise EdgeInputError(f"{path} is not a fedml_ssfl edge model (metadata 'format' is "
                                  f"{meta.get('format')!r}, expected {FORMAT_TAG!r}); export it with mobile_export")
         try:
-            _, c, h, w = json.loads(meta["input_shape"])
+            # the input's own dimensions: the one source of truth for the shape (metadata input_shape copies them)
+            _, c, h, w = next(i.shape for i in self.session.get_inputs() if i.name == INPUT_NAMES[0])
             self.info = ModelInfo(
                 path=path, class_names=[str(n) for n in json.loads(meta["class_names"])], channels=int(c),
                 height=int(h), width=int(w),
@@ -291,7 +335,7 @@ class EdgeLabeler:
                 round=int(meta.get("round", -1)), format_version=READABLE_FORMATS[meta["format"]],
                 batch_size=model_batch_size(self.session),
             )
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, StopIteration) as exc:
             raise EdgeInputError(f"{path}: its edge metadata is incomplete or damaged ({type(exc).__name__}: {exc}); "
                                  "export the model again with `fedml-ssfl export`") from None
 
@@ -334,6 +378,10 @@ class EdgeLabeler:
             raise EdgeInputError(f"{where}: expected {info.expected}; {got}{hint}")
         return np.ascontiguousarray(arr)
 
+    def prepare(self, image) -> np.ndarray:
+        """Any image (a file, a Pillow image, an array) as this model takes it: :func:`prepare_image`."""
+        return prepare_image(image, self.info.shape)
+
     def predict(self, images: np.ndarray, thresholds=None, batch_size: int = 256) -> dict[str, np.ndarray]:
         """Run the model in batches: ``probs`` (N, K), ``label``, ``confidence``, ``mask``, and ``seconds``.
 
@@ -360,14 +408,16 @@ class EdgeLabeler:
 # reading images
 
 
-def load_images(
-    path: str | Path, labeler: EdgeLabeler | None = None, convert: bool = False
-) -> tuple[list[str], np.ndarray]:
+def load_images(path: str | Path, labeler: EdgeLabeler | None = None,
+                steps: Counter | None = None) -> tuple[list[str], np.ndarray]:
     """Read unlabeled images and their sample ids from a ``.npy`` / ``.npz`` batch or a folder of files.
 
-    Ids: ``<file name>#<index>`` for a batch (or the ``ids`` array of an ``.npz``), the path
-    relative to the folder for image files. They key the self-ensemble state, so keep them
-    stable from round to round.
+    A batch must hold the model's input as it is, uint8 ``(N, C, H, W)``; image files of any size
+    and mode are brought to it by the image rule (:func:`prepare_image`), and ``steps``, when
+    given, counts what the rule did to them (``resized``, ``rotated``, ``to L``, ...). Ids:
+    ``<file name>#<index>`` for a batch (or the ``ids`` array of an ``.npz``), the path relative to
+    the folder for image files. They key the self-ensemble state, so keep them stable from round
+    to round.
     """
     p = Path(path)
     if not p.exists():
@@ -375,7 +425,7 @@ def load_images(
     if p.is_dir():
         if labeler is None:
             raise EdgeInputError("reading an image folder needs the model (for the expected channels and size)")
-        return _load_folder(p, labeler.info, convert)
+        return _load_folder(p, labeler.info, Counter() if steps is None else steps)
     if p.suffix == ".npy":
         images = _read_npy(p)
         ids = [f"{p.name}#{i}" for i in range(len(images))]
@@ -394,53 +444,223 @@ def load_images(
     return ids, images
 
 
-def _load_folder(folder: Path, info: ModelInfo, convert: bool) -> tuple[list[str], np.ndarray]:
+def _load_folder(folder: Path, info: ModelInfo, steps: Counter) -> tuple[list[str], np.ndarray]:
     try:
-        import PIL.Image  # noqa: F401  (is Pillow there? _read_image uses it)
+        import PIL.Image  # noqa: F401  (is Pillow there? prepare_image reads files with it)
     except ImportError as exc:
         raise EdgeInputError(f"reading image files from {folder} needs Pillow (pip install pillow); "
                              f"or pass a .npy/.npz batch of {info.expected}") from exc
     files = sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise EdgeInputError(f"{folder} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
-    mode = "L" if info.channels == 1 else "RGB" if info.channels == 3 else None
-    if mode is None:
-        raise EdgeInputError(f"image files can feed 1- or 3-channel models; this one takes {info.channels} channels: "
-                             f"pass a .npy/.npz batch of {info.expected}")
+    _rule_channels(info.shape, folder)
     _check_budget(folder, f"{len(files)} images of {info.width}x{info.height}",
                   len(files) * info.channels * info.height * info.width)
-    out = np.empty((len(files), info.channels, info.height, info.width), dtype=np.uint8)
+    out = np.empty((len(files), *info.shape), dtype=np.uint8)
     for i, f in enumerate(files):
-        out[i] = _read_image(f, info, mode, convert)
+        out[i], done = _prepare(f, info.shape)
+        steps.update(done)
     return [f.relative_to(folder).as_posix() for f in files], out
 
 
-def _read_image(f: Path, info: ModelInfo, mode: str, convert: bool) -> np.ndarray:
-    """One image file as uint8 (C, H, W); its size is checked from the header before any pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
+# ---------------------------------------------------------------------------------------------
+# the image rule: any picture -> the model's input
 
+
+MAX_IMAGE_PIXELS = 8192 * 8192
+"""The most pixels one image file may have, read from its header before any is decoded (a 48-megapixel
+phone photo has 8064 x 6048)."""
+BYTES_PER_PIXEL = 16
+"""About what decoding and converting one image takes at most, per source pixel (a 16-bit image's copies)."""
+
+
+def prepare_image(image, shape: tuple[int, int, int]) -> np.ndarray:
+    """Any image as a model of input ``shape`` = (C, H, W) takes it: uint8 (C, H, W), the contract's rule applied.
+
+    The rule (docs/edge.md, "Any image to the input"), in order:
+
+    1. a file's EXIF orientation is applied (a photo taken sideways is turned upright);
+    2. pixels become 8-bit: 16-bit ones (Pillow modes ``I;16``, ``I``, uint16 arrays) are scaled,
+       ``round(v / 257)`` (values outside 0..65535 clipped), palettes looked up, 1-bit ones 0 / 255,
+       other colour spaces (CMYK, YCbCr, ...) converted to RGB; float images are refused;
+    3. alpha is composited over black: ``round(c * a / 255)`` per channel (premultiplied);
+    4. an image not of size H x W is scaled, its aspect ratio kept, until it covers H x W, and the
+       centre H x W is kept (:data:`RESIZE_RULE`: the largest centred region of the model's aspect
+       ratio, resampled with :data:`RESAMPLE`); an image of size H x W is left as it is;
+    5. channels: a 1-channel model takes luma, ``L = (299 R + 587 G + 114 B + 500) // 1000``
+       (:data:`LUMA_WEIGHTS`); a 3-channel model takes R, G, B in that order, a grey image's value
+       in all three.
+
+    Parameters
+    ----------
+    image : path, PIL.Image.Image or numpy.ndarray
+        An image file (any format Pillow reads; its size is checked from the header first, at most
+        :data:`MAX_IMAGE_PIXELS`), a Pillow image, or an array as image libraries give one: ``(H, W)``
+        grey, ``(H, W, C)`` channels last with C 1 (grey), 2 (grey + alpha), 3 (R, G, B) or 4
+        (R, G, B, alpha), uint8 or uint16. OpenCV's arrays are B, G, R: reverse them first,
+        ``img[..., ::-1]``.
+    shape : (int, int, int)
+        The model's (C, H, W), C 1 or 3 (``EdgeLabeler.info.shape``; :meth:`EdgeLabeler.prepare`).
+
+    Returns
+    -------
+    numpy.ndarray
+        uint8 (C, H, W), C-contiguous: one row of the model's ``images`` input.
+
+    Raises
+    ------
+    EdgeInputError
+        An unreadable or oversized file, a float or otherwise unsupported image, a model of other
+        than 1 or 3 channels. Pillow is needed for files, Pillow images and any resizing; an array of
+        the model's size is prepared with numpy alone.
+    """
+    return _prepare(image, tuple(int(v) for v in shape))[0]
+
+
+def _rule_channels(shape: tuple[int, int, int], where) -> None:
+    if shape[0] not in (1, 3):
+        raise EdgeInputError(f"{where}: the image rule feeds 1- (L) or 3-channel (RGB) models; this one takes "
+                             f"{shape[0]} channels: pass a .npy/.npz batch of uint8 (N, {shape[0]}, {shape[1]}, "
+                             f"{shape[2]}) images")
+
+
+def _prepare(image, shape: tuple[int, int, int]) -> tuple[np.ndarray, list[str]]:
+    """:func:`prepare_image`, and the names of the steps that changed something (for the labeller's summary)."""
+    _rule_channels(shape, image if isinstance(image, (str, Path)) else "image")
+    done: list[str] = []
+    if isinstance(image, (str, Path)):
+        arr, where = _read_file(Path(image), done), str(image)
+    elif isinstance(image, np.ndarray):
+        arr, where = _from_array(image, done), "image"
+    elif hasattr(image, "getbands"):  # a Pillow image
+        arr, where = _from_pillow(image, "image", done), "image"
+    else:
+        got = type(image).__name__
+        raise EdgeInputError(f"image: expected a file path, a Pillow image or a numpy array, got {got}")
+    arr = _resize_and_crop(arr, shape[1], shape[2], where, done)
+    c = shape[0]
+    if c == 1 and arr.ndim == 3:
+        wide = arr.astype(np.uint32)
+        luma = sum(wide[..., i] * weight for i, weight in enumerate(LUMA_WEIGHTS))
+        arr = ((luma + 500) // 1000).astype(np.uint8)
+        done.append("to L")
+    if arr.ndim == 2:
+        out = np.repeat(arr[None], c, axis=0)
+        if c == 3:
+            done.append("to RGB")
+    else:
+        out = arr.transpose(2, 0, 1)
+    return np.ascontiguousarray(out, dtype=np.uint8), done
+
+
+def _read_file(path: Path, done: list[str]) -> np.ndarray:
+    """An image file as uint8 (H, W) or (H, W, 3): size checked from its header, then decoded and made 8-bit."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:
+        raise EdgeInputError(f"{path}: reading image files needs Pillow (pip install pillow)") from exc
+    if not path.is_file():
+        raise EdgeInputError(f"image file {path} does not exist")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size check below refuses it
-            with Image.open(f) as img:
-                if img.size != (info.width, info.height):
-                    raise EdgeInputError(f"{f}: {img.size[0]}x{img.size[1]} pixels, but the model takes "
-                                         f"{info.width}x{info.height} ({info.expected}); resize the images first")
-                if img.mode == "P" or (img.mode == "1" and mode == "L"):
-                    img = img.convert("RGBA" if img.mode == "P" and "transparency" in img.info else mode)
-                if img.mode != mode:
-                    if not convert:
-                        raise EdgeInputError(f"{f}: a {img.mode} image ({len(img.getbands())} channels), but the "
-                                             f"model takes {info.expected} ({mode}); pass --convert to convert to "
-                                             f"{mode}")
-                    img = img.convert(mode)
-                arr = np.asarray(img, dtype=np.uint8)
+            with Image.open(path) as img:
+                width, height = img.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise EdgeInputError(f"{path}: {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} "
+                                         f"({math.isqrt(MAX_IMAGE_PIXELS)}x{math.isqrt(MAX_IMAGE_PIXELS)}) an image "
+                                         "may have here; scale it down first")
+                _check_budget(path, f"a {width}x{height} image", width * height * BYTES_PER_PIXEL)
+                return _from_pillow(img, str(path), done)
     except Image.DecompressionBombError:
-        raise EdgeInputError(f"{f}: more pixels than Pillow opens (a decompression bomb?), but the model takes "
-                             f"{info.width}x{info.height} ({info.expected}); resize the images first") from None
+        raise EdgeInputError(f"{path}: more pixels than Pillow opens (a decompression bomb?); an image may have at "
+                             f"most {MAX_IMAGE_PIXELS} pixels here; scale it down first") from None
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
-        raise EdgeInputError(f"{f}: unreadable or corrupt image ({exc}); save it again, or remove it") from None
-    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+        raise EdgeInputError(f"{path}: unreadable or corrupt image ({exc}); save it again, or remove it") from None
+
+
+_TO_RGB = {"RGBX": "RGB", "CMYK": "RGB", "YCbCr": "RGB", "LAB": "RGB", "HSV": "RGB", "RGBa": "RGBA", "La": "LA",
+           "PA": "RGBA", "1": "L"}
+"""Pillow modes converted by Pillow before the rest of the rule (a palette goes to RGB or RGBA, see below)."""
+
+
+def _from_pillow(img, where: str, done: list[str]) -> np.ndarray:
+    """A Pillow image as uint8 (H, W) or (H, W, 3), upright, 8-bit and without alpha (steps 1 to 3 of the rule)."""
+    if img.getexif().get(0x0112, 1) in range(2, 9):  # EXIF Orientation: 1 is upright
+        from PIL import ImageOps
+
+        img = ImageOps.exif_transpose(img)
+        done.append("rotated")
+    mode = img.mode
+    if mode == "F":
+        raise EdgeInputError(f"{where}: a 32-bit float image (Pillow mode F); the model takes 8-bit pixels: save it "
+                             "as 8-bit grayscale or RGB")
+    if mode == "I" or mode.startswith("I;16"):  # 16-bit grey (32-bit I clipped to 16 bits); scaled in _from_array
+        return _from_array(np.clip(np.asarray(img), 0, 65535).astype(np.uint16), done)
+    if mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    elif mode in _TO_RGB:
+        img = img.convert(_TO_RGB[mode])
+    elif mode not in ("L", "LA", "RGB", "RGBA"):
+        try:
+            img = img.convert("RGB")
+        except ValueError as exc:
+            raise EdgeInputError(f"{where}: a Pillow mode {mode} image cannot be read as RGB ({exc}); save it as "
+                                 "8-bit grayscale or RGB") from None
+    return _from_array(np.asarray(img), done)
+
+
+def _from_array(arr: np.ndarray, done: list[str]) -> np.ndarray:
+    """An (H, W) / (H, W, C) array as uint8 (H, W) or (H, W, 3): 16-bit scaled, alpha over black (steps 2, 3)."""
+    shape = f"{arr.dtype} array of shape {arr.shape}"
+    if arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4) and arr.shape[0] in (1, 3, 4):
+        raise EdgeInputError(f"image: a {shape}: channels first? pass image.transpose(1, 2, 0), channels last")
+    if arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4)) or 0 in arr.shape[:2]:
+        raise EdgeInputError(f"image: a {shape}; expected (H, W) grey or (H, W, C) with C 1 (grey), 2 (grey, "
+                             "alpha), 3 (R, G, B) or 4 (R, G, B, alpha)")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 2:  # 16-bit: round(v / 257), exact in integers
+        wide = arr.astype(np.uint32)
+        wide += 128
+        wide //= 257
+        arr = wide.astype(np.uint8)
+        done.append("16-bit to 8-bit")
+    elif arr.dtype != np.uint8:
+        hint = (" (floats in [0, 1]? use (image * 255).round().astype(np.uint8))" if arr.dtype.kind == "f" else
+                " (values 0..255? use image.astype(np.uint8); 16-bit ones: image.astype(np.uint16))")
+        raise EdgeInputError(f"image: a {shape}; expected uint8 or uint16 pixels{hint}")
+    if arr.ndim == 3 and arr.shape[-1] in (2, 4):
+        alpha = arr[..., -1]
+        colour = arr[..., :-1]
+        if (alpha == 255).all():
+            arr = colour
+        else:  # over black: round(c * a / 255); c * a + 127 never ends in .5 (255 is odd), so // rounds exactly
+            a = alpha.astype(np.uint16)
+            arr = np.empty(colour.shape, dtype=np.uint8)
+            for i in range(colour.shape[-1]):
+                arr[..., i] = (colour[..., i].astype(np.uint16) * a + 127) // 255
+            done.append("alpha over black")
+    if arr.ndim == 3 and arr.shape[-1] == 1:
+        arr = arr[..., 0]
+    return arr
+
+
+def _resize_and_crop(arr: np.ndarray, height: int, width: int, where: str, done: list[str]) -> np.ndarray:
+    """Step 4: scale to cover height x width, aspect ratio kept, and keep the centre; as it is at that size."""
+    h, w = arr.shape[:2]
+    if (h, w) == (height, width):
+        return arr
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise EdgeInputError(f"{where}: a {w}x{h} image for a {width}x{height} model: resizing needs Pillow "
+                             "(pip install pillow)") from exc
+    scale = max(width / w, height / h)
+    box_w, box_h = width / scale, height / scale  # the source region that becomes the model's input
+    left, top = (w - box_w) / 2, (h - box_h) / 2
+    img = Image.fromarray(np.ascontiguousarray(arr))
+    out = img.resize((width, height), Image.Resampling.BILINEAR, box=(left, top, left + box_w, top + box_h))
+    done.append("resized" if scale != 1 else "cropped")
+    return np.asarray(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,18 +754,23 @@ class EnsembleState:
 
 def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, thresholds=None,
                  batch_size: int = 256, ensemble_state: str | Path | None = None, reset_ensemble: bool = False,
-                 threads: int = 0, convert: bool = False) -> dict:
+                 threads: int = 0) -> dict:
     """Pseudo-label the images at ``source`` with ``model``; write CSV, JSONL and NPZ to ``out_dir``.
+
+    Image files of any size and mode go through the image rule (:func:`prepare_image`).
 
     Returns
     -------
     dict
-        Summary: counts, mask rate, seconds, images per second, output paths.
+        Summary: counts, mask rate, seconds, images per second, output paths, ``image_shape``
+        (C, H, W), and ``prepared``: how many image files the rule resized, rotated, converted
+        (empty for a batch).
     """
     labeler = EdgeLabeler(model, threads=threads)
-    ids, images = load_images(source, labeler, convert=convert)
+    steps: Counter = Counter()
+    ids, images = load_images(source, labeler, steps)
     thr = labeler.thresholds(thresholds)
-    res = labeler.predict(images, thr, batch_size=batch_size)
+    res = labeler.predict(images, thresholds, batch_size=batch_size)
     probs, label, conf, mask = res["probs"], res["label"], res["confidence"], res["mask"]
     out = Path(out_dir)
     try:
@@ -590,6 +815,7 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
         "seconds": seconds, "images_per_second": n / seconds if seconds > 0 else float("inf"),
         "batch_size": labeler.info.batch_size or batch_size, "model": str(model), "precision": labeler.info.precision,
         "model_version": labeler.info.model_version, "ensemble": ensemble_state is not None,
+        "prepared": dict(steps), "image_shape": list(labeler.info.shape),
         "outputs": [str(out / f"pseudo_labels.{ext}") for ext in ("csv", "jsonl", "npz")],
     }
 
@@ -598,7 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="edge_label", description="Pseudo-label unlabeled images on device "
                                      "with an exported fedml_ssfl model (numpy + onnxruntime only)")
     parser.add_argument("model", help="model.onnx / model.ort / model.int8.ort from mobile_export")
-    parser.add_argument("input", help=".npy or .npz batch of uint8 (N, C, H, W) images, or a folder of image files")
+    parser.add_argument("input", help=".npy or .npz batch of uint8 (N, C, H, W) images, or a folder of image files "
+                        "(any size and mode: resized and converted by the image rule, see prepare_image)")
     parser.add_argument("--out", required=True, help="output directory for pseudo_labels.{csv,jsonl,npz}")
     parser.add_argument("--batch-size", type=int, default=256, help="images per run (default 256); a model "
                         "exported with a fixed batch (the .ort files: 1) runs at its own batch size")
@@ -608,12 +835,13 @@ def main(argv: list[str] | None = None) -> int:
                         "successive model versions' probabilities (FedSEAL Eq. 8)")
     parser.add_argument("--reset-ensemble", action="store_true", help="start the ensemble state afresh")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime threads (default: its own choice)")
-    parser.add_argument("--convert", action="store_true", help="convert image files to the model's color mode")
+    # image files are always converted by the image rule now; --convert (which asked for it) is still accepted
+    parser.add_argument("--convert", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         s = label_images(args.model, args.input, args.out, thresholds=args.thresholds, batch_size=args.batch_size,
                          ensemble_state=args.ensemble_state, reset_ensemble=args.reset_ensemble,
-                         threads=args.threads, convert=args.convert)
+                         threads=args.threads)
     except EdgeInputError as exc:
         print(f"edge_label: error: {exc}", file=sys.stderr)
         return 2
@@ -625,6 +853,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"labeled {s['images']} images in {s['seconds']:.3f} s: {s['images_per_second']:.0f} images/s "
           f"({s['precision']} model, batch {s['batch_size']}); {s['passed_threshold']} pass the threshold "
           f"({100 * s['mask_rate']:.1f}%){', self-ensemble' if s['ensemble'] else ''}")
+    if s["prepared"]:
+        c, h, w = s["image_shape"]
+        done = ", ".join(f"{n} {step}" for step, n in sorted(s["prepared"].items()))
+        print(f"image rule ({w}x{h}, {channel_order(c)}): {done}")
     print(f"wrote {', '.join(s['outputs'])}")
     return 0
 

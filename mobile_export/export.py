@@ -2,17 +2,18 @@
 
 The exported graph does the whole job of an edge device::
 
-    images (N, C, H, W) uint8, thresholds (K,) float (optional)
+    images (N, C, H, W) uint8, R, G, B (or L) planes, 0..255
       -> float, /255, (x - mean) / std        the dataset's normalization, inside the graph
       -> model -> softmax                     probs (N, K)
       -> max / argmax                         confidence (N,), label (N,) int64
       -> confidence >= thresholds[label]      mask (N,) uint8, 0 or 1
 
-``thresholds`` is a per-class vector input (FedSEAL's class-wise thresholds, or one tau
-broadcast to every class) with the defaults baked in (an initializer of the same name), so a
-phone may feed ``images`` alone. The defaults, the class names, mean and std, the input shape,
-the algorithm, round and a hash of the run's config ride in the model's metadata; the model's
-``model_version`` is the edge contract's version (:data:`~mobile_export.edge_label.EDGE_FORMAT_VERSION`).
+``thresholds`` is a per-class constant of the graph (FedSEAL's class-wise thresholds, or one tau
+broadcast to every class): it is traced as a second input and :func:`graph.finalize` makes it a
+constant, so ``images`` is the only input. The thresholds, the class names, mean and std, the
+input shape and the image rule (layout, channel order, resize), the algorithm, round and a hash
+of the run's config ride in the model's metadata; the model's ``model_version`` is the edge
+contract's version (:data:`~mobile_export.edge_label.EDGE_FORMAT_VERSION`).
 
 ``model.onnx`` / ``model.int8.onnx`` keep a dynamic batch (bulk labeling in Python, int8
 calibration); the ``.ort`` files for phones are converted from a copy with the batch fixed
@@ -63,7 +64,7 @@ from .arguments import (  # the command line's defaults, importable without torc
     MIN_AGREEMENT,
     add_export_arguments,
 )
-from .edge_label import FORMAT_TAG, INPUT_NAMES, OUTPUT_DTYPES, OUTPUT_NAMES
+from .edge_label import FORMAT_TAG, INPUT_NAMES, OUTPUT_DTYPES, OUTPUT_NAMES, THRESHOLDS, image_rule_metadata
 from .verify import Predictions
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,11 @@ class EdgeModel(nn.Module):
         self.register_buffer("std", torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1))
 
     def forward(self, images: torch.Tensor, thresholds: torch.Tensor):
-        """uint8 images (N, C, H, W) and thresholds (K,) -> probs, label, confidence, mask (uint8 0/1)."""
+        """uint8 images (N, C, H, W) and thresholds (K,) -> probs, label, confidence, mask (uint8 0/1).
+
+        ``thresholds`` is an argument so that the exporters keep it as a named graph value; the
+        exported file holds it as a constant (:func:`graph.finalize`).
+        """
         x = images.to(torch.float32) / 255.0  # same order of operations as data.augment.to_float/normalize
         x = (x - self.mean) / self.std
         probs = torch.softmax(self.net(x), dim=1)
@@ -157,6 +162,7 @@ class EdgeMetadata:
             "std": json.dumps(self.std),
             "input_shape": json.dumps(["N", self.in_channels, self.image_size, self.image_size]),
             "input_dtype": "uint8",
+            **image_rule_metadata(self.in_channels),
             "inputs": ",".join(INPUT_NAMES),
             "outputs": ",".join(OUTPUT_NAMES),
             "output_dtypes": json.dumps(OUTPUT_DTYPES),
@@ -250,7 +256,7 @@ def export_onnx(module: nn.Module, path: str | Path, example: tuple[torch.Tensor
         Neither exporter could handle the model; names the operator when the error does.
     """
     path = Path(path)
-    common = dict(input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES), opset_version=opset,
+    common = dict(input_names=[*INPUT_NAMES, THRESHOLDS], output_names=list(OUTPUT_NAMES), opset_version=opset,
                   external_data=False, verbose=False)
     fallback_reason, dynamo_text = None, ""
     if dynamo:
@@ -299,14 +305,14 @@ def model_opset(path: str | Path) -> int:
 
 
 GRAPH_DOC = (
-    "Inputs: images uint8 (N, C, H, W); thresholds float32 (K,), optional: its default is baked in "
-    "(metadata default_thresholds). Outputs: probs float32 (N, K), label int64 (N,), confidence float32 (N,), "
-    "mask uint8 (N,): 1 where confidence >= thresholds[label], else 0."
+    "Input: images uint8 (N, C, H, W), pixel values 0..255, channels R, G, B (or L), normalized inside "
+    "(metadata mean, std). Outputs: probs float32 (N, K), label int64 (N,), confidence float32 (N,), "
+    "mask uint8 (N,): 1 where confidence >= thresholds[label] (a constant: metadata default_thresholds), else 0."
 )
 
 
 def write_metadata(path: str | Path, meta: EdgeMetadata, precision: str) -> dict[str, Any]:
-    """Finish the exported file at ``path``: metadata, baked-in thresholds, version, opsets (:func:`graph.finalize`)."""
+    """Finish the exported file at ``path``: metadata, constant thresholds, version, opsets (:func:`graph.finalize`)."""
     return graph.finalize(path, meta.props(precision), meta.thresholds, GRAPH_DOC, f"{meta.model or 'model'}_edge")
 
 
@@ -542,7 +548,7 @@ def export_model(
         Receives ``model.onnx``, ``model.ort``, ``model.int8.onnx``, ``model.int8.ort``, the
         ``required_operators`` configs, the mobile-usability reports and ``export_report.json``.
     meta : EdgeMetadata
-        Data facts and provenance; ``meta.thresholds`` are the default thresholds (baked in).
+        Data facts and provenance; ``meta.thresholds`` are the graph's (constant) thresholds.
     test_images, test_labels : numpy.ndarray
         uint8 ``(N, C, H, W)`` images for the parity check (and labels for accuracy, if known).
     unlabeled_images, calibration_images : numpy.ndarray, optional
@@ -609,7 +615,7 @@ def export_model(
         reference = torch_predictions(model, images, meta.mean, meta.std, thresholds)
         float_session = _session(report, onnx_path, "onnxruntime_load")
         float_ort.contract("contract_onnx", float_session, images, None)
-        float_test = verify.run_session(float_session, images)  # images alone: the baked-in thresholds
+        float_test = verify.run_session(float_session, images)  # images alone: the graph's constant thresholds
         parity = verify.compare_float(reference, float_test)
         if labels is not None:
             parity["torch_test_acc"] = reference.accuracy(labels)
@@ -619,7 +625,7 @@ def export_model(
 
         ort_session = float_ort.convert()
         float_ort.contract("contract_ort", ort_session, images, batch)
-        ort_test = verify.run_session(ort_session, images, thresholds)  # thresholds fed: the override path
+        ort_test = verify.run_session(ort_session, images)
         report.record("parity_ort", verify.compare_float(reference, ort_test))
         report.seconds["verify_float"] = time.perf_counter() - t
         report.artifacts = {"onnx": verify.artifact_info(onnx_path),
@@ -639,6 +645,10 @@ def export_model(
         combined = ort_format.write_required_operators(out / ort_format.CONFIG_NAME, pairs)
         report.artifacts["required_operators_all"] = {**verify.artifact_info(out / ort_format.CONFIG_NAME), **combined}
 
+    for key, check in (("onnx", "contract_onnx"), ("ort", "contract_ort"), ("int8_onnx", "int8_contract_onnx"),
+                       ("int8_ort", "int8_contract_ort")):
+        if key in report.artifacts:  # the shape read from each file's images input (for apps without metadata)
+            report.artifacts[key]["input_shape"] = report.checks[check]["input_shape"]
     report.seconds["total"] = time.perf_counter() - timer
     report.status = "ok"
     report.write()
@@ -655,7 +665,7 @@ def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, flo
     q_path = out / "model.int8.onnx"
     calib = _check_images(calibration_images, meta, "calibration_images")
     try:
-        report.quantization = quantize_int8(onnx_path, q_path, calib, thresholds)
+        report.quantization = quantize_int8(onnx_path, q_path, calib)
     except Exception as exc:
         report.fail("int8_quantize", f"int8 quantization failed: {_first_line(exc)}")
     report.quantization["graph"] = write_metadata(q_path, meta, "int8")

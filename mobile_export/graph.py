@@ -1,13 +1,15 @@
 """Edits to an exported ONNX file that make it a phone-ready edge model (onnx only; no torch).
 
-* :func:`finalize`: metadata, the default thresholds baked in (``thresholds`` becomes optional),
-  ``model_version`` / producer set, exporter annotations stripped, only the opset domains in use.
+* :func:`finalize`: metadata, the default thresholds made a constant of the graph, ``model_version``
+  / producer set, exporter annotations stripped, only the opset domains in use.
 * :func:`fix_batch_size`: a copy with the batch dimension fixed (NNAPI and CoreML take only
   fixed shapes; the ``.ort`` files are converted from such a copy).
 
-An ONNX graph input that also has an initializer of the same name is optional: the initializer is
-its default, and onnxruntime lets a caller override it (``get_overridable_initializers``). That is
-how ``thresholds`` gets its default without a second input name.
+The exporters trace the model with ``thresholds`` as a second input (so neither folds nor renames
+it); :func:`finalize` then makes it an initializer that is not a graph input: a constant. Contract 2
+left it in the inputs as well, which made it optional (the initializer its default, overridable),
+but onnxruntime logs "Initializer thresholds appears in graph inputs and will not be treated as
+constant value/weight" on every load of such a model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .edge_label import EDGE_FORMAT_VERSION, INPUT_NAMES
+from .edge_label import EDGE_FORMAT_VERSION, INPUT_NAMES, THRESHOLDS
 
 PRODUCER_NAME = "fedml_ssfl.mobile_export"
 
@@ -63,12 +65,19 @@ def prune_opset_imports(model) -> list[str]:
     return dropped
 
 
-def bake_default(model, name: str, values: np.ndarray) -> None:
-    """Make graph input ``name`` optional with ``values`` as its default (an initializer of that name)."""
+def make_constant(model, name: str, values: np.ndarray) -> None:
+    """Make ``name`` a constant of the graph holding ``values``: an initializer, and no longer a graph input.
+
+    ``name`` may be a graph input (as traced) or already such a constant (a file finalized before,
+    e.g. the float model the int8 one is quantized from); its values are replaced either way.
+    """
     from onnx import numpy_helper
 
-    if not any(i.name == name for i in model.graph.input):
-        raise ValueError(f"the graph has no input named {name!r} to give a default to")
+    if not any(v.name == name for v in (*model.graph.input, *model.graph.initializer)):
+        raise ValueError(f"the graph has no input or initializer named {name!r} to make a constant")
+    inputs = [i for i in model.graph.input if i.name != name]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
     kept = [t for t in model.graph.initializer if t.name != name]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
@@ -79,8 +88,8 @@ def finalize(path: str | Path, props: dict[str, str], default_thresholds, doc: s
              graph_name: str | None = None) -> dict[str, object]:
     """Rewrite the ONNX file at ``path`` as a versioned edge model; return what was done.
 
-    Sets ``metadata_props`` to ``props``, bakes ``default_thresholds`` in as the default of the
-    ``thresholds`` input, sets ``model_version`` (the edge contract version), producer name and
+    Sets ``metadata_props`` to ``props``, makes ``default_thresholds`` the graph's constant
+    ``thresholds`` (:func:`make_constant`), sets ``model_version`` (the edge contract version), producer name and
     version and the doc string, strips the exporter's annotations on nodes and values (stack
     traces with build-machine paths), and prunes ``opset_import`` to the domains in use.
     """
@@ -94,7 +103,7 @@ def finalize(path: str | Path, props: dict[str, str], default_thresholds, doc: s
         del value.metadata_props[:]  # the exporter's pkg.torch.* annotations
     del model.metadata_props[:]
     onnx.helper.set_model_props(model, props)
-    bake_default(model, INPUT_NAMES[1], np.asarray(default_thresholds, dtype=np.float32))
+    make_constant(model, THRESHOLDS, np.asarray(default_thresholds, dtype=np.float32))
     model.model_version = EDGE_FORMAT_VERSION
     model.producer_name = PRODUCER_NAME
     model.producer_version = _producer_version()

@@ -53,14 +53,13 @@ def float_tail_nodes(model) -> list[str]:
 class _Batches:
     """onnxruntime CalibrationDataReader over uint8 images (defined lazily, see :func:`quantize_int8`)."""
 
-    def __init__(self, images: np.ndarray, thresholds: np.ndarray, batch_size: int):
-        self.images, self.thresholds, self.batch_size = images, thresholds, batch_size
+    def __init__(self, images: np.ndarray, batch_size: int):
+        self.images, self.batch_size = images, batch_size
         self._it = self._batches()
 
     def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         for s in range(0, len(self.images), self.batch_size):
-            yield {INPUT_NAMES[0]: np.ascontiguousarray(self.images[s : s + self.batch_size]),
-                   INPUT_NAMES[1]: self.thresholds}
+            yield {INPUT_NAMES[0]: np.ascontiguousarray(self.images[s : s + self.batch_size])}
 
     def get_next(self):
         return next(self._it, None)
@@ -70,7 +69,7 @@ class _Batches:
 
 
 def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_images: np.ndarray,
-                  thresholds: np.ndarray, batch_size: int = 64) -> dict:
+                  batch_size: int = 64) -> dict:
     """Quantize the float edge model at ``float_path`` into ``out_path`` (static QDQ, per-channel).
 
     Parameters
@@ -79,8 +78,7 @@ def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_imag
         The float ``.onnx`` and where the int8 ``.onnx`` goes.
     calibration_images : numpy.ndarray
         uint8 ``(N, C, H, W)`` client (unlabeled) images; activation ranges come from them (MinMax).
-    thresholds : numpy.ndarray
-        Per-class thresholds fed alongside during calibration (they do not affect ranges).
+        The graph's constant thresholds are in the float tail, which stays float.
 
     Returns
     -------
@@ -103,20 +101,12 @@ def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_imag
     class Reader(_Batches, CalibrationDataReader):
         pass
 
-    thresholds = np.asarray(thresholds, dtype=np.float32)
     with tempfile.TemporaryDirectory(prefix="mobile_export_q_") as tmp:
-        plain, pre = Path(tmp) / "plain.onnx", Path(tmp) / "pre.onnx"
-        # quantized without the baked-in default thresholds (calibration feeds them; the int8 file gets
-        # them back when it is finalized), so no tool treats them as a constant
-        model = onnx.load(str(float_path))
-        kept = [t for t in model.graph.initializer if t.name != INPUT_NAMES[1]]
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(kept)
-        onnx.save(model, str(plain))
+        pre = Path(tmp) / "pre.onnx"
         try:  # shape inference + basic optimisation (folds BatchNorm into Conv), as ORT recommends
-            quant_pre_process(str(plain), str(pre))
+            quant_pre_process(str(float_path), str(pre))
         except Exception:  # symbolic shape inference cannot read every graph; ONNX's is enough here
-            quant_pre_process(str(plain), str(pre), skip_symbolic_shape=True)
+            quant_pre_process(str(float_path), str(pre), skip_symbolic_shape=True)
         model = onnx.load(str(pre))
         for i, node in enumerate(model.graph.node):  # nodes_to_exclude works by name
             if not node.name:
@@ -124,7 +114,7 @@ def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_imag
         onnx.save(model, str(pre))
         keep_float = float_tail_nodes(model)
         quantize_static(
-            str(pre), str(out_path), Reader(np.asarray(calibration_images, dtype=np.uint8), thresholds, batch_size),
+            str(pre), str(out_path), Reader(np.asarray(calibration_images, dtype=np.uint8), batch_size),
             quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OP_TYPES),
             nodes_to_exclude=keep_float, calibrate_method=CalibrationMethod.MinMax,

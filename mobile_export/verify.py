@@ -8,9 +8,9 @@ model against the float one.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,9 @@ from .edge_label import (
     FORMAT_TAG,
     INPUT_DTYPES,
     INPUT_NAMES,
-    OPTIONAL_INPUTS,
     OUTPUT_DTYPES,
     OUTPUT_NAMES,
+    image_rule_metadata,
     model_batch_size,
     run_batches,
 )
@@ -69,7 +69,7 @@ def make_session(path: str | Path, threads: int = 0):
 def run_session(session, images: np.ndarray, thresholds=None, batch_size: int = 256) -> Predictions:
     """Run the edge graph over ``images`` (see :func:`mobile_export.edge_label.run_batches`).
 
-    ``thresholds`` None feeds ``images`` alone, so the model's baked-in defaults apply.
+    ``thresholds`` None: the model's own (its constant); given: ``mask`` is for them.
     """
     probs, label, conf, mask = run_batches(session, images, thresholds, batch_size)
     if probs is None:
@@ -104,73 +104,85 @@ USABILITY_EPS = {
 }
 """The execution providers onnxruntime's usability check reports on, and their keys in the export report."""
 
-_EP_SECTION = re.compile(r"Checking (" + "|".join(USABILITY_EPS) + r")\s*$")
-_IF_FIXED = "Partition information if the model was updated to make the shapes fixed"
-_TOTALS = re.compile(r"(\d+) partitions with a total of (\d+)/(\d+) nodes can be handled by the .+ EP\.")
-_SIZES = re.compile(r"Partition sizes: \[([\d, ]*)\]")
-_UNSUPPORTED = re.compile(r"Unsupported ops: (\S+)")
-_DYNAMIC = re.compile(r"Unsupported nodes due to input having a dynamic shape=(\d+)")
-_VERDICT = re.compile(r"Model should perform well with .+ as is: (\w+)")
-_VERDICT_FIXED = re.compile(r"Model should perform well with .+ if modified to have fixed input shapes: (\w+)")
+
+def _usability_checks():
+    """(name, key, check) per execution provider: onnxruntime's partition estimate, ``check(model, fixed)``."""
+    from onnxruntime.tools.mobile_helpers import usability_checker as uc
+
+    def coreml(ops_file: str):
+        return lambda model, fixed: uc.check_coreml_partitions(model, fixed, ops_file)
+
+    checks = {"NNAPI": uc.check_nnapi_partitions,
+              "CoreML NeuralNetwork": coreml("coreml_supported_neuralnetwork_ops.md"),
+              "CoreML MLProgram": coreml("coreml_supported_mlprogram_ops.md")}
+    return [(name, USABILITY_EPS[name], checks[name]) for name in USABILITY_EPS]
 
 
-def parse_usability_report(text: str) -> dict[str, dict[str, Any]]:
-    """NNAPI / CoreML coverage from the text of onnxruntime's mobile usability check.
+def _partition_figures(info) -> dict[str, Any]:
+    """The figures of one of onnxruntime's ``PartitioningInfo`` objects, and its verdict."""
+    return {
+        "supported_nodes": info.num_supported_nodes,
+        "nodes": info.num_nodes,
+        "share": round(info.num_supported_nodes / info.num_nodes, 4) if info.num_nodes else 0.0,
+        "partitions": info.num_partitions,
+        "partition_sizes": [len(group) for group in info.supported_groups],
+        "unsupported_ops": sorted(info.unsupported_ops),
+        "dynamic_shape_nodes": info.nodes_unsupported_due_to_dynamic_input,
+        "verdict": info.suitability().name,
+    }
+
+
+def usability_coverage(path: str | Path, logger: logging.Logger | None = None) -> dict[str, dict[str, Any]]:
+    """NNAPI / CoreML coverage of an ONNX model, from onnxruntime's usability checker's own functions.
+
+    Does what ``python -m onnxruntime.tools.check_onnx_model_mobile_usability`` does (the graph after
+    onnxruntime's basic optimizations, with ONNX shape inference), but keeps the figures of the
+    ``PartitioningInfo`` objects its ``check_*_partitions`` functions return instead of their log text.
 
     Returns
     -------
     dict
         Per execution provider (``nnapi``, ``coreml_neuralnetwork``, ``coreml_mlprogram``):
         ``supported_nodes``, ``nodes``, ``share``, ``partitions``, ``partition_sizes``,
-        ``unsupported_ops``, ``dynamic_shape_nodes``, ``verdict`` (the tool's YES / MAYBE / NO), and
-        for a model with dynamic inputs the tool's estimate ``if_shapes_fixed`` (same keys).
-
-    Raises
-    ------
-    ValueError
-        The text lacks an execution provider's totals (the tool's wording changed).
+        ``unsupported_ops``, ``dynamic_shape_nodes``, ``verdict`` (YES / MAYBE / NO); for a model with
+        dynamic inputs that is not a YES as it is, also ``if_shapes_fixed`` (the same figures, shapes
+        assumed fixed), as the tool estimates. ``logger``, when given, receives the tool's own
+        analysis text (INFO).
     """
+    import tempfile
+
+    from onnxruntime.tools.mobile_helpers import usability_checker as uc
+    from onnxruntime.tools.onnx_model_utils import ModelProtoWithShapeInfo, optimize_model
+
+    log = logger or logging.getLogger("mobile_export.usability")
+    with tempfile.TemporaryDirectory(prefix="mobile_export_usability_") as tmp:
+        optimized = Path(tmp) / Path(path).name
+        optimize_model(Path(path), optimized, use_external_initializers=True)  # basic level, as the tool does
+        model = ModelProtoWithShapeInfo(optimized).model_with_shape_info
+    dynamic_inputs, _ = uc.check_shapes(model.graph, log)
     out: dict[str, dict[str, Any]] = {}
-    cur: dict[str, Any] | None = None
-    for line in text.splitlines():
-        if m := _EP_SECTION.search(line):
-            cur = out.setdefault(USABILITY_EPS[m.group(1)], {"partition_sizes": [], "unsupported_ops": [],
-                                                             "dynamic_shape_nodes": 0})
-            section = cur
-        elif cur is None:
-            continue
-        elif _IF_FIXED in line:
-            cur = section["if_shapes_fixed"] = {"partition_sizes": [], "unsupported_ops": [], "dynamic_shape_nodes": 0}
-        elif m := _TOTALS.search(line):
-            parts, supported, nodes = (int(g) for g in m.groups())
-            cur.update(partitions=parts, supported_nodes=supported, nodes=nodes,
-                       share=round(supported / nodes, 4) if nodes else 0.0)
-        elif m := _SIZES.search(line):
-            cur["partition_sizes"] = [int(v) for v in m.group(1).split(",") if v.strip()]
-        elif m := _UNSUPPORTED.search(line):
-            cur["unsupported_ops"] = m.group(1).split(",")
-        elif m := _DYNAMIC.search(line):
-            cur["dynamic_shape_nodes"] = int(m.group(1))
-        elif m := _VERDICT.search(line):
-            section["verdict"] = m.group(1)
-        elif m := _VERDICT_FIXED.search(line):
-            section["if_shapes_fixed"]["verdict"] = m.group(1)
-    missing = [k for k in USABILITY_EPS.values() if "nodes" not in out.get(k, {})]
-    if missing:
-        raise ValueError(f"no node totals for {', '.join(missing)} in the usability report")
+    for name, key, check in _usability_checks():
+        log.info("Checking %s", name)
+        info = check(model, True)  # dynamic shapes count against a node, as on a device
+        info.print_analysis(log, name)
+        out[key] = _partition_figures(info)
+        if dynamic_inputs and out[key]["verdict"] != "YES":
+            fixed = check(model, False)
+            log.info("Partition information if the model was updated to make the shapes fixed:")
+            fixed.print_analysis(log, name)
+            out[key]["if_shapes_fixed"] = _partition_figures(fixed)
+        log.info("Model should perform well with %s as is: %s", name, out[key]["verdict"])
     return out
 
 
 def mobile_usability(path: str | Path, report_path: str | Path, label: str | None = None) -> dict[str, Any]:
-    """onnxruntime's ORT-mobile usability check; its log is saved to ``report_path`` and parsed.
+    """onnxruntime's ORT-mobile usability check (:func:`usability_coverage`); its analysis saved to ``report_path``.
 
     The check is advisory (it says whether NNAPI / CoreML would take the model, and which ops
     keep a model on the CPU execution provider); it fails only if it cannot analyse the model.
-    ``coverage`` holds :func:`parse_usability_report`'s figures (None, with ``parse_error``, if
-    the text could not be read). ``label`` replaces the model's path in the saved text.
+    ``coverage`` holds the figures; the text at ``report_path`` is the tool's own analysis, for a
+    person. ``label`` replaces the model's path in the saved text.
     """
-    from onnxruntime.tools.mobile_helpers import usability_checker
-
     buf = io.StringIO()
     logger = logging.getLogger(f"mobile_export.usability.{Path(path).name}")
     logger.setLevel(logging.INFO)
@@ -178,11 +190,12 @@ def mobile_usability(path: str | Path, report_path: str | Path, label: str | Non
     handler = logging.StreamHandler(buf)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logger.addHandler(handler)
+    coverage, error = None, None
     try:
-        try_eps = bool(usability_checker.analyze_model(Path(path), skip_optimize=False, logger=logger))
-        error = None
-    except Exception as exc:  # the checker's own failures
-        try_eps, error = False, f"{type(exc).__name__}: {exc}"
+        logger.info("Checking %s for usability with ORT Mobile.", label or path)
+        coverage = usability_coverage(path, logger)
+    except Exception as exc:  # the checker's own failures (an unreadable model, shape inference)
+        error = f"{type(exc).__name__}: {exc}"
         logger.error("usability check could not analyse the model: %s", error)
     finally:
         logger.removeHandler(handler)
@@ -190,16 +203,12 @@ def mobile_usability(path: str | Path, report_path: str | Path, label: str | Non
     if label:
         text = text.replace(str(path), label)
     Path(report_path).write_text(text, encoding="utf-8")
+    try_eps = any(c["verdict"] != "NO" or c.get("if_shapes_fixed", {}).get("verdict", "NO") != "NO"
+                  for c in (coverage or {}).values())  # the tool's rule: some EP is not a NO, as is or fixed
     verdict = ("NNAPI or CoreML may help; compare them against the CPU EP" if try_eps
                else "use the CPU execution provider")
-    out = {"passed": error is None, "error": error, "report": Path(report_path).name, "recommendation": verdict,
-           "coverage": None}
-    if error is None:
-        try:
-            out["coverage"] = parse_usability_report(text)
-        except ValueError as exc:
-            out["parse_error"] = str(exc)
-    return out
+    return {"passed": error is None, "error": error, "report": Path(report_path).name, "recommendation": verdict,
+            "coverage": coverage}
 
 
 def coverage_line(coverage: dict[str, dict[str, Any]] | None) -> str:
@@ -214,24 +223,30 @@ def coverage_line(coverage: dict[str, dict[str, Any]] | None) -> str:
 _ORT_TYPES = {"uint8": "tensor(uint8)", "float32": "tensor(float)", "int64": "tensor(int64)"}
 
 
-def check_contract(session, images: np.ndarray, default_thresholds, batch_size: int | None) -> dict[str, Any]:
-    """Does the model in ``session`` keep the edge contract? Names, dtypes, batch, version, defaults.
+def input_shape(session) -> list[int | str]:
+    """The ``images`` input's shape as the file holds it, ``"N"`` for a dynamic batch: the source of truth."""
+    images = next(i for i in session.get_inputs() if i.name == INPUT_NAMES[0])
+    return [d if isinstance(d, int) and d > 0 else "N" for d in images.shape]
 
-    Checks: the required inputs are ``images`` alone (uint8, batch ``batch_size`` or dynamic when
-    None) and ``thresholds`` is an overridable initializer; the outputs are
-    :data:`~mobile_export.edge_label.OUTPUT_NAMES` with :data:`~mobile_export.edge_label.OUTPUT_DTYPES`;
-    ``model_version`` and the ``format`` metadata say this contract; run on ``images`` with
-    ``images`` fed alone, ``mask`` is ``confidence >= default_thresholds[label]`` as 0/1.
+
+def check_contract(session, images: np.ndarray, default_thresholds, batch_size: int | None) -> dict[str, Any]:
+    """Does the model in ``session`` keep the edge contract? Names, dtypes, shape, version, metadata, thresholds.
+
+    Checks: ``images`` is the only input (uint8, batch ``batch_size`` or dynamic when None) and
+    nothing is overridable (``thresholds`` a constant, not an input with a default); the outputs
+    are :data:`~mobile_export.edge_label.OUTPUT_NAMES` with :data:`~mobile_export.edge_label.OUTPUT_DTYPES`;
+    ``model_version`` and the ``format`` metadata say this contract; the ``input_shape`` metadata
+    is the ``images`` input's shape and the image rule's keys are there; run on ``images``, ``mask``
+    is ``confidence >= default_thresholds[label]`` as 0/1.
     """
     failures = []
     inputs = {i.name: i for i in session.get_inputs()}
-    required = [n for n in INPUT_NAMES if n not in OPTIONAL_INPUTS]
-    if list(inputs) != required:
-        failures.append(f"required inputs are {list(inputs)}, expected {required}")
+    if list(inputs) != list(INPUT_NAMES):
+        failures.append(f"inputs are {list(inputs)}, expected {list(INPUT_NAMES)}")
     overridable = [i.name for i in session.get_overridable_initializers()]
-    if list(OPTIONAL_INPUTS) != [n for n in overridable if n in INPUT_NAMES]:
-        failures.append(f"optional inputs (overridable initializers) are {overridable}, "
-                        f"expected {list(OPTIONAL_INPUTS)}")
+    if overridable:
+        failures.append(f"{overridable} can be fed as inputs (initializers listed among the graph's inputs); "
+                        "expected constants only")
     images_in = inputs.get(INPUT_NAMES[0])
     if images_in is not None and images_in.type != _ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]:
         failures.append(f"images is {images_in.type}, expected {_ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]}")
@@ -243,19 +258,28 @@ def check_contract(session, images: np.ndarray, default_thresholds, batch_size: 
     if outputs != want:
         failures.append(f"outputs are {outputs}, expected {want}")
     meta = session.get_modelmeta()
-    if meta.version != EDGE_FORMAT_VERSION or meta.custom_metadata_map.get("format") != FORMAT_TAG:
-        failures.append(f"model_version {meta.version} / format {meta.custom_metadata_map.get('format')!r}, "
+    props = meta.custom_metadata_map
+    if meta.version != EDGE_FORMAT_VERSION or props.get("format") != FORMAT_TAG:
+        failures.append(f"model_version {meta.version} / format {props.get('format')!r}, "
                         f"expected {EDGE_FORMAT_VERSION} / {FORMAT_TAG!r}")
+    shape = input_shape(session) if images_in is not None else None
+    if shape is not None and props.get("input_shape") != json.dumps(shape):
+        failures.append(f"metadata input_shape is {props.get('input_shape')}, the images input's shape {shape}")
+    if shape is not None and len(shape) == 4:
+        rule = image_rule_metadata(shape[1])
+        wrong = {k: props.get(k) for k, v in rule.items() if props.get(k) != v}
+        if wrong:
+            failures.append(f"image rule metadata {wrong}, expected {rule}")
     mask_ok = None
     if not failures:
         probs, label, conf, mask = run_batches(session, images)
         thr = np.asarray(default_thresholds, dtype=np.float32)
         mask_ok = bool(mask.dtype == np.uint8 and np.array_equal(mask, (conf >= thr[label]).astype(np.uint8)))
         if not mask_ok:
-            failures.append("with images fed alone, mask is not confidence >= the default thresholds[label]")
-    return {"passed": not failures, "failures": failures, "inputs": list(inputs), "optional_inputs": overridable,
-            "outputs": outputs, "batch_size": got_batch or "dynamic", "model_version": meta.version,
-            "default_thresholds_mask": mask_ok}
+            failures.append("mask is not confidence >= the default thresholds[label]")
+    return {"passed": not failures, "failures": failures, "inputs": list(inputs), "overridable": overridable,
+            "input_shape": shape, "outputs": outputs, "batch_size": got_batch or "dynamic",
+            "model_version": meta.version, "default_thresholds_mask": mask_ok}
 
 
 def compare_float(reference: Predictions, got: Predictions, rtol: float = PROB_RTOL,

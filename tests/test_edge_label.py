@@ -143,31 +143,41 @@ def test_a_fixed_batch_model_labels_any_number_of_images(models, batch, tmp_path
     assert 0 < mask.sum() < len(mask)
 
 
-def test_a_model_of_the_first_contract_still_labels(models, batch, tmp_path):
-    """Format 1 (exported before contract 2): thresholds a required input, mask bool. The runner feeds them."""
+def _older_contract(models, tmp_path: Path, version: int) -> Path:
+    """The v4 model rewritten as contract 1 (thresholds a required input, bool mask) or 2 (an optional input)."""
     import onnx
 
     model = onnx.load(str(models["v4"].with_suffix(".onnx")))
-    kept = [t for t in model.graph.initializer if t.name != "thresholds"]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
-    where = next(n for n in model.graph.node if n.op_type == "Where" and n.output[0] == "mask")
-    compare = next(n for n in model.graph.node if n.output[0] == where.input[0])
-    compare.output[0] = "mask"
-    model.graph.node.remove(where)
-    next(o for o in model.graph.output if o.name == "mask").type.tensor_type.elem_type = onnx.TensorProto.BOOL
-    next(p for p in model.metadata_props if p.key == "format").value = "fedml_ssfl.edge/1"
-    old = tmp_path / "old.onnx"
-    onnx.save(model, str(old))
-    labeler = el.EdgeLabeler(old)
-    assert labeler.info.format_version == 1 and [i.name for i in labeler.session.get_inputs()] == [
-        "images",
-        "thresholds",
-    ]
+    thresholds = next(t for t in model.graph.initializer if t.name == "thresholds")
+    model.graph.input.append(onnx.helper.make_tensor_value_info("thresholds", onnx.TensorProto.FLOAT, [K]))
+    if version == 1:
+        model.graph.initializer.remove(thresholds)
+        where = next(n for n in model.graph.node if n.op_type == "Where" and n.output[0] == "mask")
+        compare = next(n for n in model.graph.node if n.output[0] == where.input[0])
+        compare.output[0] = "mask"
+        model.graph.node.remove(where)
+        next(o for o in model.graph.output if o.name == "mask").type.tensor_type.elem_type = onnx.TensorProto.BOOL
+    next(p for p in model.metadata_props if p.key == "format").value = f"fedml_ssfl.edge/{version}"
+    path = tmp_path / f"contract{version}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_model_of_an_older_contract_still_labels(models, batch, tmp_path, version):
+    """Contract 1: thresholds a required input, mask bool; 2: an optional input. The runner feeds them."""
+    labeler = el.EdgeLabeler(_older_contract(models, tmp_path, version))
+    assert labeler.info.format_version == version and labeler.info.shape == (1, 8, 8)
+    takes = [i.name for i in (*labeler.session.get_inputs(), *labeler.session.get_overridable_initializers())]
+    assert takes == ["images", "thresholds"]
     images = np.load(batch)
     got, ref = labeler.predict(images), el.EdgeLabeler(models["v4"]).predict(images)
     np.testing.assert_array_equal(got["mask"], ref["mask"])
     assert got["mask"].dtype == bool and 0 < got["mask"].sum() < len(images)
+    tau = [1.0, 0.0, 1.0, 0.0]  # fed to the graph here; recomputed from the outputs for contract 3
+    got, ref = labeler.predict(images, tau), el.EdgeLabeler(models["v4"]).predict(images, tau)
+    np.testing.assert_array_equal(got["mask"], ref["mask"])
+    np.testing.assert_array_equal(got["mask"], np.isin(ref["label"], [1, 3]))
 
 
 def test_self_ensemble_is_the_running_mean_over_model_versions(models, batch, tmp_path):
@@ -200,7 +210,7 @@ def test_self_ensemble_is_the_running_mean_over_model_versions(models, batch, tm
     assert all(r["ensemble_size"] == 1 for r in _jsonl(tmp_path / "y"))
 
 
-def test_image_folder_input(models, tmp_path):
+def test_image_folder_input(models, tmp_path, capsys):
     from PIL import Image
 
     images = np.random.default_rng(3).integers(0, 256, (5, 1, 8, 8), dtype=np.uint8)
@@ -210,15 +220,99 @@ def test_image_folder_input(models, tmp_path):
         Image.fromarray(img[0]).save(folder / ("sub" if i % 2 else ".") / f"img{i}.png")
     ids, loaded = el.load_images(folder, el.EdgeLabeler(models["v4"]))
     assert ids == ["img0.png", "img2.png", "img4.png", "sub/img1.png", "sub/img3.png"]
-    np.testing.assert_array_equal(loaded, images[[0, 2, 4, 1, 3]])
-    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(folder / "rgb.png")
-    with pytest.raises(el.EdgeInputError, match=r"RGB image .*\(N, 1, 8, 8\).*--convert"):
-        el.label_images(models["v4"], folder, tmp_path / "o")
-    el.label_images(models["v4"], folder, tmp_path / "o", convert=True)
-    assert len(_rows(tmp_path / "o")) == 6
-    Image.fromarray(np.zeros((9, 8), np.uint8)).save(folder / "tall.png")
-    with pytest.raises(el.EdgeInputError, match=r"8x9 pixels.*8x8"):
-        el.label_images(models["v4"], folder, tmp_path / "o", convert=True)
+    np.testing.assert_array_equal(loaded, images[[0, 2, 4, 1, 3]])  # the model's size and mode: as they are
+    # any size and mode: the image rule brings them to 1x8x8, and the summary says what it did
+    Image.fromarray(np.full((8, 8, 3), (0, 255, 0), np.uint8)).save(folder / "rgb.png")
+    Image.fromarray(np.full((9, 8), 77, np.uint8)).save(folder / "tall.png")
+    Image.fromarray(np.full((23, 37, 3), 200, np.uint8)).save(folder / "odd.jpg", quality=95)
+    assert el.main([str(models["v4"]), str(folder), "--out", str(tmp_path / "o"), "--convert"]) == 0
+    assert "image rule (8x8, L): 1 cropped, 1 resized, 2 to L" in capsys.readouterr().out
+    rows = {r["id"]: r for r in _rows(tmp_path / "o")}
+    assert len(rows) == 8
+    ids, loaded = el.load_images(folder, el.EdgeLabeler(models["v4"]))
+    got = dict(zip(ids, loaded))
+    assert (got["rgb.png"] == 150).all() and (got["tall.png"] == 77).all()  # luma of pure green; a crop
+    assert abs(got["odd.jpg"].astype(int) - 200).max() <= 2  # JPEG's rounding
+
+
+def _png(path: Path, array: np.ndarray, **save) -> Path:
+    from PIL import Image
+
+    Image.fromarray(array).save(path, **save)
+    return path
+
+
+def test_the_image_rule_pinned_by_value(tmp_path):
+    """Each step of prepare_image on small real files and arrays, against values worked out by hand."""
+    from PIL import Image
+
+    prep = el.prepare_image
+    # 5. channels: luma (299 R + 587 G + 114 B + 500) // 1000 for a 1-channel model; grey in R, G, B for 3
+    rgb = np.array([[[255, 0, 0], [0, 255, 0]], [[0, 0, 255], [10, 20, 30]]], np.uint8)
+    np.testing.assert_array_equal(prep(_png(tmp_path / "rgb.png", rgb), (1, 2, 2)), [[[76, 150], [29, 18]]])
+    grey = np.array([[0, 128], [200, 255]], np.uint8)
+    np.testing.assert_array_equal(prep(_png(tmp_path / "grey.png", grey), (3, 2, 2)), np.stack([grey] * 3))
+    # 3. alpha over black, round(c * a / 255): RGBA, and a palette with a transparent entry
+    rgba = np.array([[[200, 100, 50, 128], [200, 100, 50, 0], [10, 20, 30, 255]]], np.uint8)
+    got = prep(_png(tmp_path / "rgba.png", rgba), (3, 1, 3))
+    np.testing.assert_array_equal(got[:, 0].T, [[100, 50, 25], [0, 0, 0], [10, 20, 30]])
+    assert prep(rgba, (1, 1, 3)).tolist() == [[[62, 0, 18]]]
+    pal = Image.new("P", (2, 1))
+    pal.putpalette([200, 100, 50, 9, 9, 9] + [0] * 762)
+    pal.putdata([0, 1])
+    pal.save(tmp_path / "pal.png", transparency=1)
+    assert prep(tmp_path / "pal.png", (3, 1, 2))[:, 0].T.tolist() == [[200, 100, 50], [0, 0, 0]]
+    # 2. 16 bits to 8: round(v / 257)
+    deep = np.array([[0, 128, 129, 25828, 65535]], np.uint16)
+    assert Image.open(_png(tmp_path / "deep.png", deep)).mode == "I;16"
+    assert prep(tmp_path / "deep.png", (1, 1, 5)).tolist() == [[[0, 0, 1, 100, 255]]]
+    assert prep(tmp_path / "deep.png", (3, 1, 5))[2].tolist() == [[0, 0, 1, 100, 255]]
+    # 1. EXIF orientation 6 (the camera was turned): the picture is turned upright, 90 degrees clockwise
+    side = (np.arange(6, dtype=np.uint8) * 40).reshape(2, 3)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    np.testing.assert_array_equal(prep(_png(tmp_path / "side.png", side, exif=exif), (1, 3, 2))[0], np.rot90(side, -1))
+    # 4. the centre H x W at scale 1 (a 4x2 image for a 2x2 model: columns 1 and 2), and the centre of a
+    # 30x10 image scaled by 0.8 to cover 8x8: columns 10..20, all of them in the green band
+    wide = np.arange(8, dtype=np.uint8).reshape(2, 4)
+    assert prep(wide, (1, 2, 2)).tolist() == [[[1, 2], [5, 6]]]
+    bands = np.zeros((10, 30, 3), np.uint8)
+    bands[:, :9, 0], bands[:, 9:21, 1], bands[:, 21:, 2] = 255, 255, 255
+    assert (prep(_png(tmp_path / "bands.png", bands), (3, 8, 8)) == np.array([0, 255, 0])[:, None, None]).all()
+    assert (prep(bands.T.transpose(1, 2, 0).copy(), (1, 8, 8)) == 150).all()  # 10x30, tall: rows 10..20
+    # odd sizes, up and down, a Pillow image as well as a file
+    for h, w in ((1, 1), (5, 3), (17, 41), (64, 9)):
+        flat = np.full((h, w, 3), (30, 60, 90), np.uint8)
+        for source in (flat, Image.fromarray(flat), _png(tmp_path / f"{h}x{w}.png", flat)):
+            out = prep(source, (3, 8, 8))
+            assert out.shape == (3, 8, 8) and out.dtype == np.uint8 and out.flags.c_contiguous
+            assert (out == np.array([30, 60, 90], np.uint8)[:, None, None]).all()
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        (np.zeros((8, 8), np.float32), r"float32 .*\(image \* 255\)\.round\(\)\.astype\(np\.uint8\)"),
+        (np.zeros((8, 8), np.int64), r"image\.astype\(np\.uint8\)"),
+        (np.zeros((3, 8, 8), np.uint8), r"channels first\? pass image\.transpose\(1, 2, 0\)"),
+        (np.zeros((8, 8, 5), np.uint8), r"expected \(H, W\) grey or \(H, W, C\)"),
+        ([[0, 1]], "expected a file path, a Pillow image or a numpy array, got list"),
+        ("nowhere.png", "image file nowhere.png does not exist"),
+    ],
+)
+def test_an_image_the_rule_cannot_take_is_named(image, message):
+    with pytest.raises(el.EdgeInputError, match=message):
+        el.prepare_image(image, (1, 8, 8))
+
+
+def test_the_rule_refuses_float_files_and_models_it_does_not_cover(tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.zeros((4, 4), np.float32)).save(tmp_path / "float.tif")
+    with pytest.raises(el.EdgeInputError, match=r"float.tif: a 32-bit float image \(Pillow mode F\)"):
+        el.prepare_image(tmp_path / "float.tif", (1, 4, 4))
+    with pytest.raises(el.EdgeInputError, match=r"1- \(L\) or 3-channel \(RGB\) models; this one takes 2"):
+        el.prepare_image(np.zeros((4, 4), np.uint8), (2, 4, 4))
 
 
 @pytest.mark.parametrize(
@@ -336,9 +430,9 @@ EDGE_CASES = [
     ("an object .npy", _object_npy, None, 2, "objects.npy: the array is an object array (pickled Python objects"),
     ("a .npy claiming 5 TiB", _npy_claiming_5_tib, None, 2, "claims.npy: the array's header claims shape"),
     ("an npz bomb", _npz_bomb, None, 2, "bomb.npz: key 'images' (4194304, 1, 8, 8) of uint8 would take 256.0 MiB"),
-    ("a 12000x12000 PNG", _png_folder(12000, 12000, palette=True), None, 2, "b.png: 12000x12000 pixels, but the"),
+    ("a 12000x12000 PNG", _png_folder(12000, 12000, palette=True), None, 2, "b.png: 12000x12000 pixels, more than"),
     ("a 400-megapixel PNG", _png_folder(20000, 20000), None, 2, "b.png: more pixels than Pillow opens"),
-    ("a truncated image", _png_folder(64, 64, cut=30), None, 2, "b.png: 64x64 pixels, but the model takes 8x8"),
+    ("a truncated image", _png_folder(64, 64, cut=30), None, 2, "b.png: unreadable or corrupt image"),
     ("a truncated 8x8 image", _png_folder(8, 8, cut=24), None, 2, "b.png: unreadable or corrupt image"),
     ("a 3 GiB model file", None, _model_of_3_gib, 2, "huge.onnx has 3.0 GiB, more than the 2 GiB an ONNX model"),
 ]

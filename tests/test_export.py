@@ -122,17 +122,21 @@ def test_export_run_writes_verified_float_ort_and_int8_models(full_export, train
     assert {"float_mask_rate", "int8_mask_rate", "mask_rate_change_points"} <= set(gates)
     assert "Checking NNAPI" in (out / "mobile_usability.txt").read_text()
     assert saved["artifacts"]["int8_onnx"]["bytes"] < saved["artifacts"]["onnx"]["bytes"]
+    # each file's input shape, read from the file (an iOS app has no metadata accessor: it reads these)
+    shapes = {key: saved["artifacts"][key]["input_shape"] for key in ("onnx", "ort", "int8_onnx", "int8_ort")}
+    dynamic, fixed = ["N", 1, 8, 8], [1, 1, 8, 8]
+    assert shapes == {"onnx": dynamic, "ort": fixed, "int8_onnx": dynamic, "int8_ort": fixed}
 
 
 def test_exported_graph_interface_and_metadata(full_export, trained_run):
     report, out = full_export
     model = onnx.load(str(out / "model.onnx"))
     ins = {i.name: i.type.tensor_type for i in model.graph.input}
-    assert list(ins) == ["images", "thresholds"]
+    assert list(ins) == ["images"]  # the thresholds are a constant (an initializer that is no input)
     assert ins["images"].elem_type == onnx.TensorProto.UINT8
     dims = [d.dim_param or d.dim_value for d in ins["images"].shape.dim]
     assert isinstance(dims[0], str) and dims[1:] == [1, 8, 8]  # dynamic batch
-    assert [d.dim_value for d in ins["thresholds"].shape.dim] == [10]
+    assert list(next(t for t in model.graph.initializer if t.name == "thresholds").dims) == [10]
     assert [o.name for o in model.graph.output] == ["probs", "label", "confidence", "mask"]
     cfg = load_config(trained_run / "config.yaml")
     ckpt = load_checkpoint(trained_run / "checkpoints" / "last.pt")
@@ -140,6 +144,13 @@ def test_exported_graph_interface_and_metadata(full_export, trained_run):
         meta = make_session(path).get_modelmeta().custom_metadata_map
         assert json.loads(meta["class_names"]) == [str(i) for i in range(10)]
         assert json.loads(meta["input_shape"]) == [batch, 1, 8, 8]  # the .ort files have a fixed batch
+        assert {k: meta[k] for k in ("layout", "channel_order", "resize", "resample", "inputs")} == {
+            "layout": "NCHW",
+            "channel_order": "L",  # digits: one channel
+            "resize": "shorter_side_center_crop",
+            "resample": "bilinear",
+            "inputs": "images",
+        }
         assert json.loads(meta["default_thresholds"]) == [0.95] * 10  # fedavg_ssl's ssfl_args.threshold
         assert meta["threshold_source"] == "config ssfl_args.threshold"
         assert meta["algorithm"] == "fedavg_ssl" and meta["round"] == str(ckpt["round"])
@@ -192,38 +203,65 @@ def _test_images(n: int = 40) -> np.ndarray:
     return load_experiment_dataset(cfg).test_images[:n].numpy()
 
 
-def test_mask_is_uint8_zero_or_one(full_export):
-    """bool has no tensor type in onnxruntime's Objective-C / Swift API: every file's mask is uint8."""
+def test_mask_is_uint8_zero_or_one(full_export, tmp_path):
+    """bool has no tensor type in onnxruntime's Objective-C / Swift API: every file's mask is uint8.
+
+    The graph's own comparison is exercised through a copy whose constant thresholds let odd labels
+    pass and even ones not.
+    """
     _, out = full_export
     images = _test_images()
+    odd = np.where(np.arange(10) % 2 == 0, 1.01, 0.0).astype(np.float32)
     for name in ARTIFACTS:
         sess = make_session(out / name)
         assert {o.name: o.type for o in sess.get_outputs()} == {k: ORT_TYPES[OUTPUT_DTYPES[k]] for k in OUTPUT_NAMES}
-        thr = np.where(np.arange(10) % 2 == 0, 1.01, 0.0).astype(np.float32)  # odd labels pass, even ones not
-        probs, label, conf, mask = run_batches(sess, images, thr)
+        probs, label, conf, mask = run_batches(sess, images)
         assert mask.dtype == np.uint8 and set(np.unique(mask)) <= {0, 1}, name
+    for name in ("model.onnx", "model.int8.onnx"):
+        model = onnx.load(str(out / name))
+        graph.make_constant(model, "thresholds", odd)
+        onnx.save(model, str(tmp_path / name))
+        _, label, _, mask = run_batches(make_session(tmp_path / name), images)
         np.testing.assert_array_equal(mask, (label % 2).astype(np.uint8))
         assert 0 < mask.sum() < len(mask), name  # both values occur, so the comparison is exercised
 
 
-def test_thresholds_are_optional_with_the_defaults_baked_in(full_export):
-    """A phone feeds images alone; the defaults live in an initializer that the .ort files keep."""
+def test_thresholds_are_a_constant_and_loading_warns_of_nothing(full_export):
+    """images is the only input; onnxruntime at warning level says nothing on loading any of the files.
+
+    Contract 2 kept thresholds as an input with a default (an initializer that is also a graph input),
+    and onnxruntime logged "Initializer thresholds appears in graph inputs and will not be treated as
+    constant value/weight" on every load of the .onnx files.
+    """
+    import subprocess
+    import sys
+
     _, out = full_export
     images = _test_images()
     defaults = np.full(10, 0.95, np.float32)  # fedavg_ssl's ssfl_args.threshold, the export's default
     for name in ARTIFACTS:
         sess = make_session(out / name)
         assert [i.name for i in sess.get_inputs()] == ["images"], name
-        assert [i.name for i in sess.get_overridable_initializers()] == ["thresholds"], name
-        _, label, conf, mask = run_batches(sess, images)  # images alone
+        assert sess.get_overridable_initializers() == [], name
+        _, label, conf, mask = run_batches(sess, images)
         np.testing.assert_array_equal(mask, (conf >= defaults[label]).astype(np.uint8))
-        _, _, _, all_in = run_batches(sess, images, np.zeros(10, np.float32))  # an override is honoured
+        _, _, _, all_in = run_batches(sess, images, np.zeros(10, np.float32))  # others: from the outputs
         assert all_in.all(), name
     for name in ("model.onnx", "model.int8.onnx"):
         model = onnx.load(str(out / name))
         init = next(t for t in model.graph.initializer if t.name == "thresholds")
         assert onnx.numpy_helper.to_array(init).tolist() == pytest.approx(defaults.tolist())
-        assert "thresholds" in [i.name for i in model.graph.input]
+    script = (
+        "import sys, onnxruntime as ort\n"
+        "ort.set_default_logger_severity(2)\n"  # warnings and worse, onnxruntime's default
+        "for path in sys.argv[1:]:\n"
+        "    ort.InferenceSession(path, providers=['CPUExecutionProvider'])\n"
+        "print('loaded', len(sys.argv) - 1)\n"
+    )
+    paths = [str(out / name) for name in ARTIFACTS]
+    proc = subprocess.run([sys.executable, "-c", script, *paths], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "loaded 4", proc.stderr
+    assert "appears in graph inputs" not in proc.stderr and ":onnxruntime:" not in proc.stderr, proc.stderr
 
 
 def test_model_version_producer_and_only_the_opset_domains_in_use(full_export, tmp_path):
@@ -247,6 +285,22 @@ def test_model_version_producer_and_only_the_opset_domains_in_use(full_export, t
     done = graph.finalize(tmp_path / "m.onnx", {"format": "x"}, [0.5] * 10, "doc")
     assert done["opset_domains_dropped"] == ["ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc", "org.pytorch.aten"]
     assert [o.domain for o in onnx.load(str(tmp_path / "m.onnx")).opset_import] == [""]
+
+
+def test_the_contract_check_holds_the_metadata_to_the_files_own_input(full_export, tmp_path):
+    """The images input is the one source of truth for the shape: metadata saying otherwise fails the check."""
+    _, out = full_export
+    images = _test_images(3)
+    assert verify.check_contract(make_session(out / "model.ort"), images, [0.95] * 10, 1)["passed"]
+    for key, value, failure in (
+        ("input_shape", "[1, 1, 8, 8]", "input_shape is [1, 1, 8, 8], the images input's shape ['N', 1, 8, 8]"),
+        ("channel_order", "RGB", "image rule metadata {'channel_order': 'RGB'}"),
+    ):
+        model = onnx.load(str(out / "model.onnx"))
+        next(p for p in model.metadata_props if p.key == key).value = value
+        onnx.save(model, str(tmp_path / "m.onnx"))
+        result = verify.check_contract(make_session(tmp_path / "m.onnx"), images, [0.95] * 10, None)
+        assert not result["passed"] and any(failure in f for f in result["failures"]), result["failures"]
 
 
 def test_ort_files_have_a_fixed_batch_and_the_onnx_files_a_dynamic_one(full_export):
@@ -289,36 +343,43 @@ def test_mobile_usability_coverage_is_in_the_report(full_export):
     assert f"{cov['nnapi']['supported_nodes']}/{cov['nnapi']['nodes']} nodes can be handled by the NNAPI EP" in text
 
 
-def test_usability_report_parser():
-    text = (
-        "INFO: Checking NNAPI\nINFO: 2 partitions with a total of 17/21 nodes can be handled by the NNAPI EP.\n"
-        "INFO: \tPartition sizes: [16, 1]\nINFO: \tUnsupported ops: ai.onnx:ArgMax,ai.onnx:Where\n"
-        "INFO: Model should perform well with NNAPI as is: MAYBE\n"
-        "INFO: Checking CoreML NeuralNetwork\nINFO: 0 partitions with a total of 0/21 nodes can be handled by the "
-        "CoreML NeuralNetwork EP.\nINFO: Unsupported nodes due to input having a dynamic shape=21\n"
-        "INFO: Partition information if the model was updated to make the shapes fixed:\n"
-        "INFO: 2 partitions with a total of 16/21 nodes can be handled by the CoreML NeuralNetwork EP.\n"
-        "INFO: Model should perform well with CoreML NeuralNetwork if modified to have fixed input shapes: NO\n"
-        "INFO: Checking CoreML MLProgram\nINFO: 1 partitions with a total of 18/21 nodes can be handled by the "
-        "CoreML MLProgram EP.\n"
-    )
-    cov = verify.parse_usability_report(text)
-    assert cov["nnapi"] == {
-        "partitions": 2,
-        "supported_nodes": 17,
-        "nodes": 21,
-        "share": 0.8095,
-        "partition_sizes": [16, 1],
-        "unsupported_ops": ["ai.onnx:ArgMax", "ai.onnx:Where"],
+def test_usability_figures_come_from_onnxruntimes_functions(tmp_path):
+    """A graph whose answer is known: Conv (NNAPI and CoreML take it), then ArgMax (NNAPI does not)."""
+    from onnx import TensorProto, helper
+
+    def model(batch) -> onnx.ModelProto:
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 1, 4, 4])
+        y = helper.make_tensor_value_info("y", TensorProto.INT64, [batch, 1, 4])
+        w = onnx.numpy_helper.from_array(np.ones((2, 1, 1, 1), np.float32), "w")
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("ArgMax", ["c"], ["y"], axis=1)]
+        graph_proto = helper.make_graph(nodes, "g", [x], [y], [w])
+        return helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)])
+
+    onnx.save(model(1), str(tmp_path / "fixed.onnx"))
+    onnx.save(model("N"), str(tmp_path / "dynamic.onnx"))
+    fixed = verify.usability_coverage(tmp_path / "fixed.onnx")["nnapi"]
+    assert fixed == {
+        "supported_nodes": 1,
+        "nodes": 2,
+        "share": 0.5,
+        "partitions": 1,
+        "partition_sizes": [1],
+        "unsupported_ops": ["ai.onnx:ArgMax"],
         "dynamic_shape_nodes": 0,
-        "verdict": "MAYBE",
+        "verdict": "NO",  # one partition of half the nodes
     }
-    nn = cov["coreml_neuralnetwork"]
-    assert (nn["supported_nodes"], nn["dynamic_shape_nodes"]) == (0, 21)
-    assert (nn["if_shapes_fixed"]["supported_nodes"], nn["if_shapes_fixed"]["verdict"]) == (16, "NO")
-    assert cov["coreml_mlprogram"]["supported_nodes"] == 18
-    with pytest.raises(ValueError, match="coreml_mlprogram"):
-        verify.parse_usability_report(text.split("INFO: Checking CoreML MLProgram")[0])
+    dynamic = verify.usability_coverage(tmp_path / "dynamic.onnx")["nnapi"]
+    # both nodes have an input of dynamic shape (ArgMax is counted for that as well as for its operator)
+    assert (dynamic["supported_nodes"], dynamic["partitions"], dynamic["dynamic_shape_nodes"]) == (0, 0, 2)
+    assert dynamic["if_shapes_fixed"]["supported_nodes"] == 1 and dynamic["if_shapes_fixed"]["partitions"] == 1
+    result = verify.mobile_usability(tmp_path / "fixed.onnx", tmp_path / "report.txt", label="fixed graph")
+    assert result["passed"] and result["coverage"]["nnapi"] == fixed
+    text = (tmp_path / "report.txt").read_text()  # onnxruntime's own analysis, for a person
+    assert "Checking fixed graph for usability" in text and "1/2 nodes can be handled by the NNAPI EP" in text
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    result = verify.mobile_usability(broken, tmp_path / "broken.txt")
+    assert not result["passed"] and result["coverage"] is None and result["error"]
 
 
 def test_required_operators_config_for_a_reduced_build(full_export):
@@ -557,10 +618,16 @@ def test_a_dynamic_batch_ort_on_request(tmp_path):
 
 
 def test_a_broken_contract_fails_the_export(tmp_path, monkeypatch):
-    """Without the baked-in default, thresholds is a required input again: the contract check says so."""
-    monkeypatch.setattr(graph, "bake_default", lambda model, name, values: None)
+    """Thresholds left among the inputs (contract 2's optional input): the contract check says so."""
+    real = graph.make_constant
+
+    def also_an_input(model, name, values):
+        real(model, name, values)
+        model.graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [len(values)]))
+
+    monkeypatch.setattr(graph, "make_constant", also_an_input)
     images = np.random.default_rng(0).integers(0, 256, (8, 1, 8, 8), dtype=np.uint8)
-    with pytest.raises(ex.ExportError, match=r"contract_onnx.*required inputs are \['images', 'thresholds'\]"):
+    with pytest.raises(ex.ExportError, match=r"contract_onnx.*\['thresholds'\] can be fed as inputs"):
         ex.export_model(_random_model("cnn28", "gn", 1, 8), tmp_path, _meta(1, 8), test_images=images, quantize=False)
     assert json.loads((tmp_path / "export_report.json").read_text())["failed_check"] == "contract_onnx"
 
