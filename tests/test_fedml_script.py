@@ -319,7 +319,7 @@ def test_a_fedml_script_under_mpirun_trains_its_model_and_the_checkpoint_holds_i
     assert [r["clients"] for r in rows] == [2, 2]  # both silos' models were aggregated every round
     assert all(np.isfinite(r["weight_diversity_fc"]) and r["weight_diversity_fc"] > 0 for r in rows)
     for silo in (0, 1):  # each silo kept its own state in its own folder
-        assert (run_dir / f"silo_{silo}" / "checkpoints" / "silo_state.pt").is_file()
+        assert (run_dir / f"silo_{silo}" / "checkpoints" / "silo_state-2.pt").is_file()  # after the last round
     assert sum("is not used" in line and "model_args.model" in line for line in proc.stderr.splitlines()) == 1
 
 
