@@ -468,6 +468,12 @@ def _quiet_event_writer_threads() -> None:
     threading.excepthook = hook
 
 
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """``run_dir/summary.json``, atomically: a full disk leaves the previous one (or none), never half of one."""
+    text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n"
+    return atomic_write(Path(run_dir) / "summary.json", lambda fh: fh.write(text.encode("utf-8")))
+
+
 class RunTracker:
     """Writes one row per round to ``metrics.jsonl`` and TensorBoard; plots and summarises.
 
@@ -578,8 +584,7 @@ class RunTracker:
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         """summary.json, written atomically: a full disk leaves the previous one (or none), never half of one."""
-        text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n"
-        return atomic_write(self.run_dir / "summary.json", lambda fh: fh.write(text.encode("utf-8")))
+        return write_summary(self.run_dir, summary)
 
     def close(self) -> None:
         """Close the TensorBoard writer (made now when no round was logged, so the config is written)."""

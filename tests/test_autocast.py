@@ -76,10 +76,14 @@ class DtypeLog:
 
 def rounds(cfg, n: int = 2, log: DtypeLog | None = None):
     """``n`` rounds of ``cfg``, then evaluation of the global model on the test set."""
+    if log is not None:
+        log.phase = "build"  # a float32 probe of the model (its classifier head) while the experiment is built
     exp = build_experiment(cfg)
     exp.algorithm.setup()
     start = {k: v.clone() for k, v in exp.algorithm.global_state.items()}
     states = {k: {} for k in range(cfg.train_args.client_num_in_total)}
+    if log is not None:
+        log.phase = "train"
     rows = [run_round(exp, r, states) for r in range(n)]
     for row in rows:
         row.pop("seconds")

@@ -50,7 +50,7 @@ from ..experiment import Experiment, deployed
 from ..metrics import evaluate
 from ..report import format_duration
 from ..sampling import sample_clients
-from ..tracking import RunTracker, run_description
+from ..tracking import RunTracker, run_description, write_summary
 from ..training import cosine_lr
 from .folder_lock import LOCK_NAME, FolderLock, lock_folder
 
@@ -676,7 +676,9 @@ class RunRecorder:
                 f"was written; put the run folder back and continue with `fedml-ssfl run --resume {self.run_dir}`, "
                 "or start a new run"
             )
-        self.tracker.write_failed = True
+        tracker = getattr(self, "tracker", None)  # None: the run's outputs could not even be opened
+        if tracker is not None:
+            tracker.write_failed = True
         target = Path(exc.filename) if exc.filename else self.run_dir
         where = f"in the run folder {self.run_dir}"
         if target != self.run_dir and self.run_dir not in target.parents:  # e.g. device_args.state_spill_dir
@@ -692,16 +694,18 @@ class RunRecorder:
 
     def _failed_summary(self, error: str) -> str:
         """Write summary.json with status ``failed``; "" when written, else why not (for the error line)."""
+        tracker = getattr(self, "tracker", None)
         try:
             self._check_run_dir()
-            self.tracker.write_summary(
+            write_summary(
+                self.run_dir,
                 {
                     "status": "failed",
                     "error": error,
                     "run_dir": str(self.run_dir),
-                    "rounds_completed": len(self.tracker.rows),
+                    "rounds_completed": len(tracker.rows) if tracker is not None else self.start,
                     "wall_seconds": self.wall_seconds(),
-                }
+                },
             )
         except OSError as exc:
             return f" (summary.json was not written: {exc})"
