@@ -83,6 +83,11 @@ Choices and deviations (the paper is silent or vague):
   the paper's adaptive decay on a validation loss has no federated counterpart here), a fresh
   optimiser each round. Labeled batches use weak augmentation alpha(x), of
   ``labeled_batch_size`` (default ``train_args.batch_size``).
+* The strong view pi(u) is FixMatch's RandAugmentMC (:mod:`fedml_ssfl.data.augment`: 2 ops, each
+  applied half the time at a magnitude 1..9 of 10, then a cutout of 8 px at 28x28, 17 px at 32x32),
+  stronger than the authors' (A.1: "RandAugment ... with random magnitude"; their code's own
+  RandAugment draws the magnitude in [2, 5] and has no cutout). Not an option: the package has one
+  strong view.
 * The vote and the KL term use the local model in train mode on the unaugmented input (one
   forward pass with ``A(u)``); helpers run in eval mode without gradient. With BatchNorm the
   helpers therefore use running statistics; the paper's ResNet-9 has no BatchNorm.
@@ -811,6 +816,27 @@ class FedMatch(GlobalModelAlgorithm):
             for (k, job), res in zip(jobs.items(), results):
                 replies[k] = self.client_reply(job, res, work[k][1])
         return {k: replies[k] for k in work}
+
+    def idle_reply(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        """The idle-client control: the client applies the message to its held copy (:meth:`receive`,
+        so the S2C records of server and client stay equal) and sends back the ``sigma`` / ``psi`` it
+        received: a zero delta (an empty sparse tensor) for each part it would have trained, its
+        received buffers, and the trained reply's sample count. No training, no thresholding."""
+        lay = self.layout()
+        self.receive(msg, state)
+        train_sigma = self.scenario == "client" and data.num_labeled > 0
+        train_psi = data.num_unlabeled > 0
+        if not (train_sigma or train_psi):
+            return Message()
+        c2s, fallback = self.setting("c2s_threshold"), self.config.dense_fallback
+        weights: dict[str, torch.Tensor] = {}
+        for prefix, trained in ((SIGMA, train_sigma), (PSI, train_psi)):
+            if trained:
+                for n in lay.params:
+                    weights[prefix + n] = sparsify(torch.zeros(lay.shapes[n]), c2s, fallback, owned=True)
+        weights.update({k: msg.weights[k] for k in lay.buffers if k in msg.weights})
+        num = (data.num_labeled if train_sigma else 0) + (data.num_unlabeled if train_psi else 0)
+        return Message(weights=weights, num_samples=num)
 
     def client_reply(self, job: DisjointJob, res: DisjointResult, data: ClientData) -> Message:
         """The sparse deltas of what the client trained (sigma, the hard-thresholded psi) and its buffers."""
