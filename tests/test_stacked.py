@@ -131,6 +131,14 @@ CASES = {
         "ssfl_args.tau=0.2",
         "ssfl_args.helper_interval=1",
     ],
+    # ... with Phi averaged over the confident samples (the authors' code; a data-dependent divisor under vmap)
+    "fedmatch-server-gn-confident": [
+        "ssfl_args.algorithm=fedmatch",
+        "ssfl_args.unlabeled_batch_size=12",
+        "ssfl_args.tau=0.2",
+        "ssfl_args.helper_interval=1",
+        "ssfl_args.phi_average=confident",
+    ],
     "local_fixmatch-gn": [
         "ssfl_args.algorithm=local_fixmatch",
         "data_args.label_scenario=client",
