@@ -426,6 +426,18 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
     return "\n".join(lines) + "\n\n" + notes
 
 
+def before_after(before: list[dict], after: list[dict]) -> str:
+    """A markdown table of each (split, row, seed) in both sweeps: final accuracy then and now."""
+    then = {(split_of(r), r["row"], r["seed"]): r["final_acc"] for r in before}
+    lines = ["| split | row | seed | before (%) | after (%) | moved (points) |", "|---|---|---:|---:|---:|---:|"]
+    for r in sorted(after, key=lambda r: (split_of(r), r["row"], r["seed"])):
+        key = (split_of(r), r["row"], r["seed"])
+        if key in then:
+            old, new = 100 * then[key], 100 * r["final_acc"]
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {old:.1f} | {new:.1f} | {new - old:+.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", nargs="*", help="run only the rows whose name contains one of these strings")
@@ -442,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-only", action="store_true", help="rewrite the page from the JSON, run nothing")
     parser.add_argument("--plan", action="store_true", help="list the (row, seed) runs it would make, run nothing")
     parser.add_argument(
+        "--before",
+        metavar="JSON",
+        help="print a table of the rows whose final accuracy moved against an earlier sweep's JSON (same row, "
+        "split and seed), run nothing",
+    )
+    parser.add_argument(
         "--missing-only", action="store_true", help="resume a stopped sweep: skip (row, seed) runs the JSON already has"
     )
     parser.add_argument("--doc", default=str(ROOT / "docs" / "results.md"))
@@ -452,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(path.read_text()) if path.is_file() else {}
     runs = data.get("runs", [])
     notes = Path(args.notes).read_text() if Path(args.notes).is_file() else ""
+    if args.before:
+        print(before_after(json.loads(Path(args.before).read_text()).get("runs", []), runs))
+        return 0
     if args.render_only:
         Path(args.doc).write_text(render(data, runs, notes))
         return 0
