@@ -1,7 +1,8 @@
 """Why FedMatch's unlabeled loss Phi does (or does not) move the model on MNIST-5k: per-round magnitudes.
 
-Runs ``configs/mnist5k/fedmatch.yaml`` (labels-at-server) round by round with the local simulator's
-own round (:func:`fedml_ssfl.runtime.local.run_round`) and records, for each variant:
+Runs ``configs/mnist5k/fedmatch.yaml`` (labels-at-server; ``--config`` another) round by round with
+the local simulator's own round (:func:`fedml_ssfl.runtime.local.run_round`) and records, for each
+variant:
 
 * per client psi step of one client (``--client``, default 0), the value of each term of Eq. 5 and the
   norm of its gradient with respect to psi, weighted as the loss weighs it: ``lambda_a x CE(agreement
@@ -117,7 +118,9 @@ def cosine(u: dict[str, torch.Tensor], v: dict[str, torch.Tensor]) -> float:
     return float(dot / (nu * nv)) if nu > 0 and nv > 0 else float("nan")
 
 
-def run_variant(name: str, overrides: list[str], rounds: int | None, client: int, seed: int, out_dir: str) -> dict:
+def run_variant(
+    name: str, config: str, overrides: list[str], rounds: int | None, client: int, seed: int, out_dir: str
+) -> dict:
     from fedml_ssfl.config import load_config
     from fedml_ssfl.experiment import build_experiment
     from fedml_ssfl.metrics import evaluate
@@ -132,7 +135,7 @@ def run_variant(name: str, overrides: list[str], rounds: int | None, client: int
     ]
     if rounds:
         base.append(f"train_args.comm_round={rounds}")
-    cfg = load_config(ROOT / "configs" / "mnist5k" / "fedmatch.yaml", [*base, *overrides])
+    cfg = load_config(ROOT / config, [*base, *overrides])
     exp = build_experiment(cfg)
     algo = exp.algorithm
     algo.setup()
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDE[,OVERRIDE...]")
     parser.add_argument("--rounds", type=int, default=None, help="comm_round (default: the config's 30)")
+    parser.add_argument("--config", default="configs/mnist5k/fedmatch.yaml", help="a FedMatch config (from the root)")
     parser.add_argument("--client", type=int, default=0, help="the client whose psi steps are probed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="/tmp/fedml_ssfl_probe_fedmatch")
@@ -221,9 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for spec in specs:
         name, _, rest = spec.partition("=")
-        results.append(
-            run_variant(name, [o for o in rest.split(",") if o], args.rounds, args.client, args.seed, args.out_dir)
-        )
+        overrides = [o for o in rest.split(",") if o]
+        results.append(run_variant(name, args.config, overrides, args.rounds, args.client, args.seed, args.out_dir))
     first = results[0]["predictions"]
     for res in results:
         res["predictions_differing_from_first"] = sum(a != b for a, b in zip(res["predictions"], first)) / len(first)
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "machine": f"{platform.machine()}, torch {torch.__version__}, 1 thread",
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "config": "configs/mnist5k/fedmatch.yaml",
+        "config": args.config,
         "seed": args.seed,
         "probed_client": args.client,
     }
