@@ -153,6 +153,9 @@ IDLE_OF = {
 """(split, row) -> the row's idle control: its own, or for a variant that only changes the clients its base row's."""
 
 
+DEFAULT_SEEDS = (0, 1, 2)
+"""The sweep's seeds (``--seeds`` default)."""
+
 REFERENCE = {"server": "server_only", "client": "local_fixmatch (labels-at-client)"}
 """Per label scenario, the row every other row is compared with seed by seed (same split): the
 lower bound of labels-at-server and the local semi-supervised baseline of labels-at-client."""
@@ -375,7 +378,7 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
     rows = summarize(runs)
     idle = {(r["split"], r["row"]): r for r in rows if r["idle"]}
     shown = [r for r in rows if not r["idle"]]
-    most = max((len(r["seeds"]) for r in rows), default=0)
+    most = max([len(DEFAULT_SEEDS), *(len(r["seeds"]) for r in rows)])
     lines = [
         "# Results on the shipped data",
         "",
@@ -401,6 +404,17 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
         "round each way (C2S = up, S2C = down), as in FedMatch's Table 1. Seconds per round are wall-clock with",
         "two runs sharing the two cores with other work: compare within this table only.",
     ]
+    have = {(split_of(r), r["row"]) for r in runs}
+    missing_rows = [r for r in ROWS if (r.split, r.name) not in have]
+    planned = len(ROWS) * len(DEFAULT_SEEDS)
+    if len(runs) < planned:
+        lines += [
+            "",
+            f"**This sweep is not complete: the page shows {len(runs)} of its {planned} runs** ({len(ROWS)} rows x "
+            f"seeds {', '.join(map(str, DEFAULT_SEEDS))}); {len(missing_rows)} rows have no run yet and are not in "
+            "the tables, and a row's `seeds` cell says how many of its seeds have run. "
+            "`python benchmarks/ssfl_results.py --missing-only` completes it.",
+        ]
     sections = [
         ("mnist5k", "server", f"Labels-at-server, split 1: {SPLITS['mnist5k']}"),
         ("mnist5k", "client", f"Labels-at-client, split 1: {SPLITS['mnist5k']}"),
@@ -448,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=[SPLIT/]CONFIG[:OVERRIDE,...]",
         help="an ad-hoc row (a config under configs/mnist5k/, or SPLIT/CONFIG, and overrides); runs only those rows",
     )
-    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="*", default=list(DEFAULT_SEEDS))
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each (default 2)")
     parser.add_argument("--out-dir", default="/tmp/fedml_ssfl_results", help="where the runs go")
     parser.add_argument("--render-only", action="store_true", help="rewrite the page from the JSON, run nothing")
