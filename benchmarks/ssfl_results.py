@@ -1,15 +1,20 @@
-"""Accuracy, pseudo-label flow, traffic and speed of every algorithm on MNIST-5k, over seeds.
+"""Accuracy, client gain, pseudo-label flow, traffic and speed of every algorithm on MNIST-5k, over seeds.
 
-Each row is a shipped config under ``configs/mnist5k/`` (plus, for a few variant rows, overrides
-named in the row), run with the local simulator for every seed (default 0, 1, 2; the seed also
-draws the split, so the 50 server labels differ between seeds). Per row the page gives the mean
-and standard deviation of the final and best test accuracy, and beside them the clients' mean
-pseudo-label mask rate and pseudo-label accuracy over the run, so a reader sees whether the
-semi-supervised part ran. Traffic is relative to dense FedAvg (every sampled client receiving and
-sending one full model), as FedMatch's Table 1 reports it. It writes
+Each row is a shipped config (plus, for a few variant rows, overrides named in the row), run with
+the local simulator for every seed (default 0, 1, 2; the seed also draws the split, so the 50 server
+labels differ between seeds). Two splits: ``configs/mnist5k/`` (IID, all ten clients every round:
+every row) and ``configs/mnist5k_dirichlet/`` (Dirichlet(0.3) non-IID, five of ten clients a round:
+the labels-at-server rows). Every labels-at-server row whose algorithm has a server side also runs
+as its *idle control* (``train_args.idle_clients: true``: every sampled client sends back the model
+it received) on the same seeds, and the page's ``client gain`` is the row's final accuracy minus its
+idle control's, seed by seed. Per row the page gives the mean and standard deviation of the final
+and best test accuracy, the difference to the split's reference row (server_only, or local_fixmatch
+for labels-at-client), the client gain, the clients' mean pseudo-label mask rate and pseudo-label
+accuracy over the run, traffic relative to dense FedAvg (FedMatch's Table 1) and seconds per round.
+It writes
 
 * ``benchmarks/results/ssfl_results.json``: every run's figures, with machine and settings;
-* ``docs/results.md``: the table (regenerated wholesale; the measured notes live in
+* ``docs/results.md``: the tables (regenerated wholesale; the measured notes live in
   ``docs/results_notes.md`` and are appended as they are).
 
 Usage::
@@ -18,6 +23,7 @@ Usage::
     python benchmarks/ssfl_results.py --rows fedmatch --seeds 0 # rows whose name contains "fedmatch"
     python benchmarks/ssfl_results.py --render-only             # rewrite the page from the JSON
     python benchmarks/ssfl_results.py --missing-only            # resume a stopped sweep
+    python benchmarks/ssfl_results.py --plan                    # list the runs it would make, run nothing
     python benchmarks/ssfl_results.py --json /tmp/t.json --doc /tmp/t.md \
         --row "lr 0.1=fedmatch.yaml:train_args.learning_rate=0.1"  # an ad-hoc row (tuning)
 """
@@ -39,29 +45,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = ROOT / "configs" / "mnist5k"
+CONFIG_ROOT = ROOT / "configs"
+SPLITS = {
+    "mnist5k": "IID, K = 10, all 10 clients every round",
+    "mnist5k_dirichlet": "Dirichlet(0.3) non-IID, K = 10, 5 clients a round",
+}
+"""The splits (config folders under ``configs/``) and how the page names them."""
+IDLE = "train_args.idle_clients=true"
+IDLE_SUFFIX = " [idle control]"
 
 
 @dataclass(frozen=True)
 class Row:
-    """One table row: a config, optional overrides, the label scenario and the row's group."""
+    """One table row: a config (in the ``split`` folder), optional overrides; ``idle``: the row's idle control."""
 
     name: str
     config: str
     overrides: tuple[str, ...] = field(default_factory=tuple)
+    split: str = "mnist5k"
+    idle: bool = False
+    control_of: str = ""  # the idle control's row (its name without the suffix)
+
+    @property
+    def path(self) -> Path:
+        return CONFIG_ROOT / self.split / self.config
+
+    def idle_control(self) -> Row:
+        return Row(self.name + IDLE_SUFFIX, self.config, (*self.overrides, IDLE), self.split, True, self.name)
 
 
 # The table's order: labels-at-server (bounds and controls, the papers' methods, the naive baselines),
-# then labels-at-client.
-ROWS = [
+# then labels-at-client. ``with_idle``: rows that also run as their idle control (``idle_rows``).
+SERVER_ROWS = [
     Row("server_only", "server_only.yaml"),
     Row("fedavg_sl (upper bound: every client sample labeled)", "fedavg_sl.yaml"),
     Row("fedavg_ssl (CRL, GN, FedAvg; paper defaults, 30 rounds)", "fedavg_ssl.yaml"),
-    Row(
-        "fedavg_ssl (control: tau = 1, no client sample can pass; the dilution of Eq. 5 alone)",
-        "fedavg_ssl.yaml",
-        ("ssfl_args.threshold=1.0",),
-    ),
     Row("fedavg_ssl (CRL, GN, grouping S=2; paper defaults, 30 rounds)", "fedavg_ssl_grouping.yaml"),
     Row("fedavg_ssl (CRL, GN, FedAvg; bootstrapped from server-only)", "fedavg_ssl_bootstrap.yaml"),
     Row("semifl (the main job)", "semifl.yaml"),
@@ -82,6 +100,8 @@ ROWS = [
     Row("fedprox_fixmatch", "fedprox_fixmatch.yaml"),
     Row("fedavg_uda", "fedavg_uda.yaml"),
     Row("fedprox_uda", "fedprox_uda.yaml"),
+]
+CLIENT_ROWS = [
     Row("fedavg_sl (labels-at-client; upper bound: every client sample labeled)", "fedavg_sl_client.yaml"),
     Row("fedmatch (labels-at-client)", "fedmatch_client.yaml"),
     Row("fedsiam (labels-at-client)", "fedsiam_client.yaml"),
@@ -93,7 +113,48 @@ ROWS = [
     Row("local_fixmatch (labels-at-client)", "local_fixmatch_client.yaml"),
     Row("local_uda (labels-at-client)", "local_uda_client.yaml"),
 ]
+SECOND_SPLIT = "mnist5k_dirichlet"
+SECOND_ROWS = [
+    Row(r.name, r.config, r.overrides, SECOND_SPLIT)
+    for r in SERVER_ROWS
+    if (CONFIG_ROOT / SECOND_SPLIT / r.config).is_file() and not r.overrides
+]
+"""The labels-at-server rows on the second split (each method's own config, no variant rows)."""
 
+NO_IDLE = {"server_only"}
+"""Rows without an idle control (the switch means nothing: no clients)."""
+CLIENT_ONLY_OVERRIDES = ("ssfl_args.lambda_a", "ssfl_args.lambda_i")
+"""Overrides that only change what clients do: such a variant's idle control is its base row's, not run twice."""
+
+
+def with_idle(rows: list[Row]) -> list[Row]:
+    """``rows``, each labels-at-server row followed by its idle control where it has one."""
+    out = []
+    for r in rows:
+        out.append(r)
+        client_only = r.overrides and all(o.startswith(CLIENT_ONLY_OVERRIDES) for o in r.overrides)
+        if r.name not in NO_IDLE and not client_only and not r.idle:
+            out.append(r.idle_control())
+    return out
+
+
+ROWS = [*with_idle(SERVER_ROWS), *CLIENT_ROWS, *with_idle(SECOND_ROWS)]
+
+IDLE_OF = {
+    (r.split, r.name): next(
+        (b.name + IDLE_SUFFIX for b in ROWS if (b.split, b.config) == (r.split, r.config) and not b.overrides),
+        r.name + IDLE_SUFFIX,
+    )
+    if r.overrides and all(o.startswith(CLIENT_ONLY_OVERRIDES) for o in r.overrides)
+    else r.name + IDLE_SUFFIX
+    for r in ROWS
+    if not r.idle
+}
+"""(split, row) -> the row's idle control: its own, or for a variant that only changes the clients its base row's."""
+
+
+DEFAULT_SEEDS = (0, 1, 2)
+"""The sweep's seeds (``--seeds`` default)."""
 
 REFERENCE = {"server": "server_only", "client": "local_fixmatch (labels-at-client)"}
 """Per label scenario, the row every other row is compared with seed by seed (same split): the
@@ -101,12 +162,14 @@ lower bound of labels-at-server and the local semi-supervised baseline of labels
 
 
 def parse_row(spec: str) -> Row:
-    """``NAME=CONFIG[:OVERRIDE,OVERRIDE...]`` -> :class:`Row`."""
+    """``NAME=[SPLIT/]CONFIG[:OVERRIDE,OVERRIDE...]`` -> :class:`Row` (SPLIT: a folder under configs/)."""
     name, _, rest = spec.partition("=")
     config, _, overrides = rest.partition(":")
     if not name or not config:
-        raise SystemExit(f"ssfl_results: --row {spec!r} is not NAME=CONFIG[:OVERRIDE,...]")
-    return Row(name, config, tuple(o for o in overrides.split(",") if o))
+        raise SystemExit(f"ssfl_results: --row {spec!r} is not NAME=[SPLIT/]CONFIG[:OVERRIDE,...]")
+    split, _, config = config.rpartition("/")
+    items = tuple(o for o in overrides.split(",") if o)
+    return Row(name, config, items, split or "mnist5k", IDLE in items)
 
 
 def machine() -> str:
@@ -138,16 +201,19 @@ def run_one(row: Row, seed: int, out_dir: str) -> dict:
         f"common_args.output_dir={out_dir}",
         f"common_args.random_seed={seed}",
     ]
-    cfg = load_config(CONFIGS / row.config, [*base, *row.overrides])
-    slug = "".join(c if c.isalnum() else "_" for c in row.name)[:80]
+    cfg = load_config(row.path, [*base, *row.overrides])
+    slug = "".join(c if c.isalnum() else "_" for c in f"{row.split}-{row.name}")[:100]
     t0 = time.perf_counter()
     res = run_local(cfg, run_dir=Path(out_dir) / f"{slug}-s{seed}")
     metrics = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     s = res.summary
     return {
         "row": row.name,
+        "split": row.split,
+        "idle": row.idle,
+        "control_of": row.control_of,
         "seed": seed,
-        "config": f"configs/mnist5k/{row.config}",
+        "config": f"configs/{row.split}/{row.config}",
         "overrides": list(row.overrides),
         "algorithm": cfg.algorithm,
         "labels": cfg.data_args.label_scenario,
@@ -191,30 +257,47 @@ def _pm(values: list[float], scale: float = 100.0, digits: int = 1, signed: bool
     return f"{text} ± {scale * statistics.stdev(values):.{digits}f}"
 
 
+def split_of(run: dict) -> str:
+    """A run's split (runs written before the second split have none: the first)."""
+    return run.get("split", "mnist5k")
+
+
 def summarize(runs: list[dict]) -> list[dict]:
-    """Group runs by row (in ROWS order, unknown rows last) into mean / std figures."""
-    order = {r.name: i for i, r in enumerate(ROWS)}
-    groups: dict[str, list[dict]] = {}
+    """Group runs by (split, row), in ROWS order (unknown rows last), into mean / std figures.
+
+    Each summary holds the paired differences with the split's reference row (``delta``) and with the
+    row's own idle control (``gain``), seed by seed, over the seeds both have.
+    """
+    order = {(r.split, r.name): i for i, r in enumerate(ROWS)}
+    groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
-        groups.setdefault(r["row"], []).append(r)
-    by_seed = {(r["row"], r["seed"]): r["final_acc"] for r in runs}
+        groups.setdefault((split_of(r), r["row"]), []).append(r)
+    by_seed = {(split_of(r), r["row"], r["seed"]): r["final_acc"] for r in runs}
     out = []
-    for name in sorted(groups, key=lambda n: order.get(n, len(order))):
-        g = sorted(groups[name], key=lambda r: r["seed"])
+    for key in sorted(groups, key=lambda k: (order.get(k, len(order)), k)):
+        split, name = key
+        g = sorted(groups[key], key=lambda r: r["seed"])
         dense = g[0].get("dense_round_bytes") or 0
 
-        def vals(key: str, g: list[dict] = g) -> list[float]:
-            return [r[key] for r in g if isinstance(r.get(key), (int, float))]
+        def vals(field_name: str, g: list[dict] = g) -> list[float]:
+            return [r[field_name] for r in g if isinstance(r.get(field_name), (int, float))]
+
+        def paired(other: str | None, g: list[dict] = g, split: str = split) -> list[float]:
+            if not other:
+                return []
+            pairs = [(r, (split, other, r["seed"])) for r in g]
+            return [r["final_acc"] - by_seed[key] for r, key in pairs if key in by_seed]
 
         ref = REFERENCE.get(g[0]["labels"])
-        delta = [
-            r["final_acc"] - by_seed[(ref, r["seed"])] for r in g if ref and ref != name and (ref, r["seed"]) in by_seed
-        ]
+        idle_name = IDLE_OF.get(key, name + IDLE_SUFFIX)
         out.append(
             {
                 "row": name,
-                "delta": delta,
-                "reference": ref if delta else None,
+                "split": split,
+                "idle": bool(g[0].get("idle")),
+                "delta": paired(ref) if ref != name else [],
+                "gain": paired(idle_name),
+                "has_idle": any((split, idle_name, r["seed"]) in by_seed for r in g),
                 "config": g[0]["config"]
                 + (" " + " ".join(f"--set {o}" for o in g[0]["overrides"]) if g[0]["overrides"] else ""),
                 "labels": g[0]["labels"],
@@ -232,8 +315,70 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _paired_cell(values: list[float], seeds: list[int]) -> str:
+    """A paired difference, with its seed count where it covers fewer seeds than the row has."""
+    if not values:
+        return ""
+    text = _pm(values, signed=True)
+    return text if len(values) == len(seeds) else f"{text} ({len(values)} seeds)"
+
+
+TABLE_HEAD = [
+    "| method | config | seeds | final test acc (%) | vs reference, same seed (points) | client gain: vs own idle "
+    "control, same seed (points) | idle control's final acc (%) | best test acc (%) | mask rate (%) | PL acc (%) "
+    "| C2S vs FedAvg | S2C vs FedAvg | s / round |",
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+]
+
+
+def _table(rows: list[dict], idle: dict[tuple[str, str], dict], most: int) -> list[str]:
+    lines = list(TABLE_HEAD)
+    for r in rows:
+        rel = [f"{100 * r[k]:.0f}%" if r[k] is not None else "" for k in ("c2s", "s2c")]
+        if r["delta"]:
+            vs = _paired_cell(r["delta"], r["seeds"])
+        else:
+            vs = "reference" if r["row"] in REFERENCE.values() else ""
+        control = idle.get((r["split"], IDLE_OF.get((r["split"], r["row"]), r["row"] + IDLE_SUFFIX)))
+        gain = _paired_cell(r["gain"], r["seeds"])
+        if not gain and r["labels"] == "client":
+            gain = "" if r["row"] in REFERENCE.values() else "see vs reference (local)"
+        elif not gain and r["row"] in NO_IDLE:
+            gain = "no clients to idle"
+        seeds = str(len(r["seeds"])) if len(r["seeds"]) == most else f"{len(r['seeds'])} of {most}"
+        lines.append(
+            f"| {r['row']} | `{r['config']}` | {seeds} | {_pm(r['final'])} | {vs} | {gain} | "
+            f"{_pm(control['final']) if control else ''} | {_pm(r['best'])} | {_pm(r['mask_rate'])} | "
+            f"{_pm(r['pseudo_acc'])} | {rel[0]} | {rel[1]} | {r['seconds_per_round']:.2f} |"
+        )
+    return lines
+
+
+def _orderings(rows: list[dict]) -> list[str]:
+    """The labels-at-server methods side by side on both splits: final accuracy and client gain."""
+    first = {r["row"]: r for r in rows if r["split"] == "mnist5k" and r["labels"] == "server" and not r["idle"]}
+    second = {r["row"]: r for r in rows if r["split"] == SECOND_SPLIT and not r["idle"]}
+    names = [n for n in first if n in second]
+    if not names:
+        return []
+    lines = [
+        "| method | IID, all clients: final (%) | client gain | Dirichlet(0.3), 5 of 10: final (%) | client gain |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for n in names:
+        a, b = first[n], second[n]
+        lines.append(
+            f"| {n} | {_pm(a['final'])} | {_paired_cell(a['gain'], a['seeds'])} | {_pm(b['final'])} | "
+            f"{_paired_cell(b['gain'], b['seeds'])} |"
+        )
+    return lines
+
+
 def render(meta: dict, runs: list[dict], notes: str) -> str:
     rows = summarize(runs)
+    idle = {(r["split"], r["row"]): r for r in rows if r["idle"]}
+    shown = [r for r in rows if not r["idle"]]
+    most = max([len(DEFAULT_SEEDS), *(len(r["seeds"]) for r in rows)])
     lines = [
         "# Results on the shipped data",
         "",
@@ -243,33 +388,68 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
         "",
         f"Data: MNIST-5k (4,000 training / 1,000 test images). Machine: {meta['machine']}. Date: {meta['date']}.",
         "Each row is one shipped config, run once per seed (the seed also draws the split: which 50 images the",
-        "server labels, which client holds what); accuracy is the mean ± standard deviation over the seeds.",
+        "server labels, which client holds what, and which clients a round samples); accuracy is the mean ±",
+        f"standard deviation over the seeds. Every row has {most} seeds unless its `seeds` cell says `n of {most}`.",
         "Labels-at-server: 50 labels on the server, clients unlabeled. Labels-at-client: 5 labels per class on",
-        "each client (500 in all), none on the server. `mask rate`: the share of the clients' unlabeled samples",
-        "that carried a pseudo-label into the loss (mean over rounds and clients); `PL acc`: the accuracy of",
-        "those pseudo-labels against the hidden labels (diagnostics only). `vs reference`: the row's final",
-        "accuracy minus the reference row's on the same seed (same split), mean ± std over the seeds; the reference",
-        "is `server_only` for labels-at-server and `local_fixmatch` for labels-at-client. Traffic: bytes over C_k",
-        "dense models per round each way (C2S = up, S2C = down), as in FedMatch's Table 1. Seconds per round are",
-        "wall-clock with two runs sharing the two cores: compare within this table only.",
-        "",
-        "| method | config | labels at | seeds | final test acc (%) | vs reference, same seed (points) "
-        "| best test acc (%) | mask rate (%) | PL acc (%) | C2S vs FedAvg | S2C vs FedAvg | s / round |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "each client (500 in all), none on the server. `vs reference`: the row's final accuracy minus the",
+        "reference row's on the same seed (same split), mean ± std over the seeds; the reference is `server_only`",
+        "for labels-at-server and `local_fixmatch` for labels-at-client. `client gain`: the row's final accuracy",
+        "minus that of its own *idle control* on the same seed: the same config with `train_args.idle_clients:",
+        "true`, where every sampled client sends back the model it received (same server path, rounds, seeds",
+        "and traffic accounting; docs/algorithms.md). It is what the unlabeled clients add; `vs reference` also",
+        "counts what a method's server path does differently from server_only. Labels-at-client rows keep their",
+        "local reference (local_fixmatch) instead. `mask rate`: the share of the clients' unlabeled samples that",
+        "carried a pseudo-label into the loss (mean over rounds and clients); `PL acc`: the accuracy of those",
+        "pseudo-labels against the hidden labels (diagnostics only). Traffic: bytes over C_k dense models per",
+        "round each way (C2S = up, S2C = down), as in FedMatch's Table 1. Seconds per round are wall-clock with",
+        "two runs sharing the two cores with other work: compare within this table only.",
     ]
-    for r in rows:
-        rel = [f"{100 * r[k]:.0f}%" if r[k] is not None else "" for k in ("c2s", "s2c")]
-        vs = (
-            f"{_pm(r['delta'], signed=True)}" if r["delta"] else ("reference" if r["row"] in REFERENCE.values() else "")
-        )
-        lines.append(
-            f"| {r['row']} | `{r['config']}` | {r['labels']} | {len(r['seeds'])} | {_pm(r['final'])} | {vs} | "
-            f"{_pm(r['best'])} | {_pm(r['mask_rate'])} | {_pm(r['pseudo_acc'])} | {rel[0]} | {rel[1]} | "
-            f"{r['seconds_per_round']:.2f} |"
-        )
+    have = {(split_of(r), r["row"]) for r in runs}
+    missing_rows = [r for r in ROWS if (r.split, r.name) not in have]
+    planned = len(ROWS) * len(DEFAULT_SEEDS)
+    if len(runs) < planned:
+        lines += [
+            "",
+            f"**This sweep is not complete: the page shows {len(runs)} of its {planned} runs** ({len(ROWS)} rows x "
+            f"seeds {', '.join(map(str, DEFAULT_SEEDS))}); {len(missing_rows)} rows have no run yet and are not in "
+            "the tables, and a row's `seeds` cell says how many of its seeds have run. "
+            "`python benchmarks/ssfl_results.py --missing-only` completes it.",
+        ]
+    sections = [
+        ("mnist5k", "server", f"Labels-at-server, split 1: {SPLITS['mnist5k']}"),
+        ("mnist5k", "client", f"Labels-at-client, split 1: {SPLITS['mnist5k']}"),
+        (SECOND_SPLIT, "server", f"Labels-at-server, split 2: {SPLITS[SECOND_SPLIT]}"),
+    ]
+    for split, labels, title in sections:
+        part = [r for r in shown if r["split"] == split and r["labels"] == labels]
+        if part:
+            lines += ["", f"## {title}", "", *_table(part, idle, most)]
+    order = _orderings(rows)
+    if order:
+        lines += [
+            "",
+            "## Which orderings hold on both splits",
+            "",
+            "The labels-at-server methods on the two splits (final accuracy and client gain, mean ± std over the",
+            "seeds; from the tables above).",
+            "",
+            *order,
+        ]
     settings = sorted({r["settings"] for r in rows if r["settings"]})
     lines += ["", "Settings per config (model, clients, rounds): " + "; ".join(settings) + "."]
     return "\n".join(lines) + "\n\n" + notes
+
+
+def before_after(before: list[dict], after: list[dict]) -> str:
+    """A markdown table of each (split, row, seed) in both sweeps: final accuracy then and now."""
+    then = {(split_of(r), r["row"], r["seed"]): r["final_acc"] for r in before}
+    lines = ["| split | row | seed | before (%) | after (%) | moved (points) |", "|---|---|---:|---:|---:|---:|"]
+    for r in sorted(after, key=lambda r: (split_of(r), r["row"], r["seed"])):
+        key = (split_of(r), r["row"], r["seed"])
+        if key in then:
+            old, new = 100 * then[key], 100 * r["final_acc"]
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {old:.1f} | {new:.1f} | {new - old:+.1f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,13 +459,20 @@ def main(argv: list[str] | None = None) -> int:
         "--row",
         action="append",
         default=[],
-        metavar="NAME=CONFIG[:OVERRIDE,...]",
-        help="an ad-hoc row (a config under configs/mnist5k/ and overrides); runs only the ad-hoc rows",
+        metavar="NAME=[SPLIT/]CONFIG[:OVERRIDE,...]",
+        help="an ad-hoc row (a config under configs/mnist5k/, or SPLIT/CONFIG, and overrides); runs only those rows",
     )
-    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="*", default=list(DEFAULT_SEEDS))
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each (default 2)")
     parser.add_argument("--out-dir", default="/tmp/fedml_ssfl_results", help="where the runs go")
     parser.add_argument("--render-only", action="store_true", help="rewrite the page from the JSON, run nothing")
+    parser.add_argument("--plan", action="store_true", help="list the (row, seed) runs it would make, run nothing")
+    parser.add_argument(
+        "--before",
+        metavar="JSON",
+        help="print a table of the rows whose final accuracy moved against an earlier sweep's JSON (same row, "
+        "split and seed), run nothing",
+    )
     parser.add_argument(
         "--missing-only", action="store_true", help="resume a stopped sweep: skip (row, seed) runs the JSON already has"
     )
@@ -297,21 +484,29 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(path.read_text()) if path.is_file() else {}
     runs = data.get("runs", [])
     notes = Path(args.notes).read_text() if Path(args.notes).is_file() else ""
+    if args.before:
+        print(before_after(json.loads(Path(args.before).read_text()).get("runs", []), runs))
+        return 0
     if args.render_only:
         Path(args.doc).write_text(render(data, runs, notes))
         return 0
     chosen = [r for r in ROWS if not args.rows or any(part in r.name for part in args.rows)]
     if args.row:
         chosen = [parse_row(spec) for spec in args.row]
-    missing = [r.config for r in chosen if not (CONFIGS / r.config).is_file()]
+    missing = [str(r.path) for r in chosen if not r.path.is_file()]
     if missing:
-        print(f"ssfl_results: no config {', '.join(missing)} under {CONFIGS}", file=sys.stderr)
+        print(f"ssfl_results: no config {', '.join(missing)}", file=sys.stderr)
         return 2
     # seed-major: a sweep stopped early still has every row for its first seeds
     jobs = [(row, seed) for seed in args.seeds for row in chosen]
     if args.missing_only:
-        have = {(x["row"], x["seed"]) for x in runs}
-        jobs = [(row, seed) for row, seed in jobs if (row.name, seed) not in have]
+        have = {(split_of(x), x["row"], x["seed"]) for x in runs}
+        jobs = [(row, seed) for row, seed in jobs if (row.split, row.name, seed) not in have]
+    if args.plan:
+        for row, seed in jobs:
+            print(f"{row.split}: {row.name} seed {seed}")
+        print(f"{len(jobs)} runs")
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     done: list[dict] = []
     with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
@@ -321,10 +516,14 @@ def main(argv: list[str] | None = None) -> int:
             r = fut.result()
             done.append(r)
             acc, secs = 100 * r["final_acc"], r["wall_seconds"]
-            print(f"{row.name} seed {seed}: {acc:.1f}% (mask rate {r['mask_rate']}) in {secs:.0f} s", flush=True)
+            print(
+                f"[{len(done)}/{len(jobs)}] {row.split}: {row.name} seed {seed}: {acc:.1f}% "
+                f"(mask rate {r['mask_rate']}) in {secs:.0f} s",
+                flush=True,
+            )
             # keep what finished so far: a stopped sweep loses nothing
-            key = {(x["row"], x["seed"]) for x in done}
-            merged = [x for x in runs if (x["row"], x["seed"]) not in key] + done
+            key = {(split_of(x), x["row"], x["seed"]) for x in done}
+            merged = [x for x in runs if (split_of(x), x["row"], x["seed"]) not in key] + done
             meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({**meta, "runs": merged}, indent=2) + "\n")

@@ -142,15 +142,23 @@ def grouping_average(
     return group_avgs, weighted_average(group_avgs, keys=keys)
 
 
-def weight_diversity(before: State, after: Sequence[State], keys: Sequence[str] | None = None) -> float:
+def weight_diversity(
+    before: State, after: Sequence[State], keys: Sequence[str] | None = None, starts: Sequence[State] | None = None
+) -> float:
     """Weight diversity after Zhang et al. Eq. 8 / Yin et al.'s gradient diversity.
 
-    With ``g_i = w_i - w_before`` for each participating model,
+    With ``g_i = w_i - w_i^start`` for each participating model, where ``w_i^start`` is where party
+    i started its round (``starts[i]``; default ``before`` for every party),
     ``diversity = sum_i ||g_i||^2 / ||sum_i g_i||^2``. It is 1/n when all n updates are equal
-    and grows as they disagree. ``keys`` restricts it to some tensors (e.g. the classifier).
-    Returns ``nan`` when the updates sum to zero.
+    and grows as they disagree (the SSFL benchmark authors' plots show n times this, the mean of
+    ``||g_i||^2 / ||mean_j g_j||^2``, which is 1 for equal updates). ``keys`` restricts it to some
+    tensors (e.g. the classifier); they are taken from ``before``. Returns ``nan`` when the updates
+    sum to zero.
     """
     keys = [k for k in (keys or before.keys()) if before[k].is_floating_point()]
+    if starts is not None and len(starts) != len(after):
+        raise ValueError(f"weight_diversity: {len(starts)} starts for {len(after)} models")
+    origin = list(starts) if starts is not None else [before] * len(after)
     # Tensor by tensor over the models, in four reused float64 buffers (a fresh g, g * g and running
     # sum per model and tensor cost a 10 M-parameter model more than the arithmetic; issue 15). The
     # squared norms are added up in the definition's order, models outer, so the result is the same.
@@ -161,10 +169,11 @@ def weight_diversity(before: State, after: Sequence[State], keys: Sequence[str] 
         if not after:
             break
         ref = before[k]
-        if scratch is not None and dense_layout([ref, *(w[k] for w in after)]):
+        refs = [o[k] for o in origin]
+        if scratch is not None and dense_layout([ref, *refs, *(w[k] for w in after)]):
             base, g, sq, total = (scratch.like(slot, ref) for slot in range(4))
-            base.copy_(ref)
             for i, w in enumerate(after):
+                base.copy_(refs[i])
                 g.copy_(w[k]).sub_(base)
                 squares[i][j] = float(torch.mul(g, g, out=sq).sum())
                 total.copy_(g) if i == 0 else total.add_(g)
@@ -172,7 +181,7 @@ def weight_diversity(before: State, after: Sequence[State], keys: Sequence[str] 
         else:  # mixed layouts: fresh tensors, as the formula reads
             acc = None
             for i, w in enumerate(after):
-                d = w[k].to(torch.float64) - ref.to(torch.float64)
+                d = w[k].to(torch.float64) - refs[i].to(torch.float64)
                 squares[i][j] = float((d * d).sum())
                 acc = d if acc is None else acc + d
             sums.append(float((acc * acc).sum()))

@@ -125,7 +125,7 @@ class TrainArgs:
     learning_rate: float = 0.03
     momentum: float = 0.9
     weight_decay: float = 1e-4
-    lr_schedule: str = "cosine"  # cosine (Eq. 9) | constant
+    lr_schedule: str = "cosine"  # cosine (Eq. 9) | cosine_annealing ((1 + cos(pi t / T)) / 2, to 0) | constant
     lr_cosine_c: float = 0.4375  # c in Eq. 9
     lr_warmup_rounds: int = 0  # e in Eq. 9, in rounds
     lr_floor: float = 1e-4  # epsilon in Eq. 9
@@ -134,6 +134,9 @@ class TrainArgs:
     # the same maths as one after another (docs/performance.md, "Stacked clients"); some algorithms only
     stack_clients: bool = False
     stack_size: int = 0  # stack_clients: at most this many clients in one stack (memory, CPU caches); 0: all
+    # the idle-client control: every sampled client sends back the model it received (no local work, its state
+    # untouched); the server's path, rounds, seeds and traffic accounting are the trained run's
+    idle_clients: bool = False
 
 
 @dataclass
@@ -225,7 +228,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data_args.label_scenario": SCENARIOS,
     "data_args.partition_method": METHODS,
     "model_args.norm": ("bn", "gn", "none"),
-    "train_args.lr_schedule": ("cosine", "constant"),
+    "train_args.lr_schedule": ("cosine", "cosine_annealing", "constant"),
     "train_args.client_optimizer": ("sgd",),
     "device_args.device": ("cpu", "cuda"),
     "device_args.memory_format": ("auto", "channels_last", "contiguous", "unchanged"),  # models/layout.py
@@ -600,6 +603,11 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     for name in cfg.common_args.compare_with:
         registry.get_algorithm(name)
     _check_stacking(cfg, algo_cls, registry)
+    if cfg.train_args.idle_clients and algo_cls.idle_clients_note:
+        raise ConfigError(
+            f"train_args.idle_clients: algorithm '{algorithm}' {algo_cls.idle_clients_note}; "
+            "set train_args.idle_clients: false"
+        )
     algo_cfg.check(cfg)
     return cfg
 

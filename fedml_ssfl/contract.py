@@ -161,6 +161,7 @@ class TrainSettings:
     lr_warmup_rounds: int = 0
     lr_floor: float = 1e-4
     num_clients: int = 1  # K (train_args.client_num_in_total)
+    idle_clients: bool = False  # train_args.idle_clients: the control where clients send back what they received
 
 
 class NonFiniteLossError(RuntimeError):

@@ -288,6 +288,7 @@ def train_settings(cfg: ExperimentConfig, split: Split | None = None) -> TrainSe
         lr_warmup_rounds=t.lr_warmup_rounds,
         lr_floor=t.lr_floor,
         num_clients=t.client_num_in_total,
+        idle_clients=t.idle_clients,
     )
 
 

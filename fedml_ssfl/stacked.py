@@ -113,13 +113,30 @@ class Follower:
 
 class StepNets:
     """What a step loss calls as ``forward``: ``forward(x)`` is the trained net's output on ``x``,
-    ``forward.follower(x)`` the job's :class:`Follower`'s (without gradient)."""
+    ``forward.eval(x)`` the same net's in eval mode (BatchNorm on its running statistics, dropout
+    off) without gradient, ``forward.follower(x)`` the job's :class:`Follower`'s (without gradient)."""
 
-    def __init__(self, net: Callable[[torch.Tensor], torch.Tensor], follower: Callable | None = None) -> None:
-        self._net, self._follower = net, follower
+    def __init__(
+        self,
+        net: Callable[[torch.Tensor], torch.Tensor],
+        follower: Callable | None = None,
+        module: nn.Module | None = None,
+    ) -> None:
+        self._net, self._follower, self._module = net, follower, module
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._net(x)
+
+    def eval(self, x: torch.Tensor) -> torch.Tensor:
+        """The trained net's output on ``x`` in eval mode, detached; the module's mode is restored."""
+        if self._module is None:
+            raise ValueError("forward.eval: no module to switch to eval mode (StepNets(module=None))")
+        was_training = self._module.training
+        self._module.eval()
+        try:
+            return self._net(x).detach()
+        finally:
+            self._module.train(was_training)
 
     def follower(self, x: torch.Tensor) -> torch.Tensor:
         if self._follower is None:
@@ -220,7 +237,7 @@ def job_step(job: LocalJob, model: nn.Module, follower: nn.Module | None = None)
     device = next(model.parameters()).device
     consts = _tree_map(lambda t: t.to(device), job.consts)
     params = dict(model.named_parameters())  # the optimiser updates them in place
-    nets = StepNets(model, follower)
+    nets = StepNets(model, follower, module=model)
 
     def step(s: int) -> Step:
         batch, truth = split_truth(job.draw(s))
@@ -490,7 +507,7 @@ def _train_group(
         def follower(x: torch.Tensor) -> torch.Tensor:
             return functional_call(model, (fp, fb), (x,))
 
-        nets = StepNets(forward, follower if lead.follower else None)
+        nets = StepNets(forward, follower if lead.follower else None, module=model)
         return lead.loss(nets, p, c, batch, step_now)
 
     grad_fn = vmap(grad_and_value(objective, has_aux=True), randomness="error")

@@ -135,12 +135,17 @@ def load_momentum_buffers(optimizer: torch.optim.Optimizer, model: nn.Module, bu
 
 
 def cosine_lr(train: TrainSettings, step: int) -> float:
-    """Zhang et al. Eq. 9: cosine decay with linear warm-up, floored at ``gamma * epsilon``.
+    """The learning rate at local iteration ``step``: ``train.lr_schedule``.
 
-    ``gamma_t = gamma * max(cos(pi * c * (t - w) / (total - w)), epsilon)`` where ``t`` counts
-    local iterations (``round * T + s``), ``w = lr_warmup_rounds * T`` and
-    ``total = comm_round * T``. During warm-up the rate grows linearly to ``gamma``
-    (Goyal et al., as the paper cites).
+    * ``cosine``, Zhang et al. Eq. 9: cosine decay with linear warm-up, floored at ``gamma * epsilon``,
+      ``gamma_t = gamma * max(cos(pi * c * (t - w) / (total - w)), epsilon)``, where ``t`` counts
+      local iterations (``round * T + s``), ``w = lr_warmup_rounds * T`` and ``total = comm_round *
+      T``. During warm-up the rate grows linearly to ``gamma`` (Goyal et al., as the paper cites).
+    * ``cosine_annealing``: PyTorch's ``CosineAnnealingLR`` to 0 (SemiFL's authors' schedule,
+      stepped per round), ``gamma_t = gamma (1 + cos(pi (t - w) / (total - w))) / 2``, after the
+      same warm-up; ``lr_cosine_c`` and ``lr_floor`` do not apply. (``cosine`` with c = 0.5 is
+      ``cos(pi t / 2 total)``: another curve, 0.71 gamma at half-way where this one is 0.5 gamma.)
+    * ``constant``: ``gamma``.
     """
     gamma = train.learning_rate
     if train.lr_schedule == "constant":
@@ -150,6 +155,8 @@ def cosine_lr(train: TrainSettings, step: int) -> float:
     if step < warm:
         return gamma * (step + 1) / warm
     frac = (step - warm) / max(total - warm, 1)
+    if train.lr_schedule == "cosine_annealing":
+        return gamma * (1.0 + math.cos(math.pi * frac)) / 2.0
     return gamma * max(math.cos(math.pi * train.lr_cosine_c * frac), train.lr_floor)
 
 

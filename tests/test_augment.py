@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,18 +111,18 @@ def test_the_warp_table_holds_the_matrices_the_builder_gives(magnitude) -> None:
 
 
 def _former_theta(name, level, sign):
-    """The per-op matrices as the op-by-op code built them (one op, one builder), the oracle of the
-    vectorised builder: rotation by sign 30 level degrees, shears by sign 0.3 level, translations by
-    sign 0.3 level of the side."""
+    """The per-op matrices built one op at a time, the oracle of the vectorised builder: rotation by
+    sign 30 level degrees about the centre, shears by sign 0.3 level about the top-left corner (PIL),
+    translations by sign 0.3 level of the side."""
     theta = torch.eye(2, 3).repeat(len(level), 1, 1)
     if name == "Rotate":
         angle = torch.deg2rad(sign * 30.0 * level)
         theta[:, 0, 0], theta[:, 0, 1] = torch.cos(angle), -torch.sin(angle)
         theta[:, 1, 0], theta[:, 1, 1] = torch.sin(angle), torch.cos(angle)
-    elif name == "ShearX":
-        theta[:, 0, 1] = sign * 0.3 * level
+    elif name == "ShearX":  # PIL's (1, s, 0, 0, 1, 0): about the top-left corner
+        theta[:, 0, 1] = theta[:, 0, 2] = sign * 0.3 * level
     elif name == "ShearY":
-        theta[:, 1, 0] = sign * 0.3 * level
+        theta[:, 1, 0] = theta[:, 1, 2] = sign * 0.3 * level
     elif name == "TranslateX":
         theta[:, 0, 2] = 2.0 * sign * 0.3 * level
     else:
@@ -205,9 +207,9 @@ def test_every_op_runs(op_id: int, channels: int) -> None:
 
 def test_brightness_and_color_are_pils_blends() -> None:
     # PIL's ImageEnhance: Brightness blends with a black image (f x), Color with the image's grey, which
-    # for one channel is the image itself (no change); f = 0.05 + 0.95 level (RandAugmentMC)
+    # for one channel is the image itself (no change); f = 0.05 + 0.9 level (RandAugmentMC's max_v 0.9)
     level, sign = torch.tensor([0.1, 0.5, 0.9, 1.0]), torch.tensor([1.0, -1.0, 1.0, -1.0])
-    factor = (0.05 + 0.95 * level).view(-1, 1, 1, 1)
+    factor = (0.05 + 0.9 * level).view(-1, 1, 1, 1)
     for channels in (1, 3):
         x = batch(4, channels, 16, seed=channels)
         assert torch.equal(apply_op(x.clone(), OP_NAMES.index("Brightness"), level, sign), factor * x)
@@ -216,10 +218,11 @@ def test_brightness_and_color_are_pils_blends() -> None:
 
 
 def test_cutout_is_one_fixed_grey_square_clipped_only_at_the_far_border() -> None:
-    # RandAugmentMC's CutoutAbs: 16 px at 32x32, 7 px at 28x28; the corner is moved inside the
-    # image, so only the far border can clip the square
+    # RandAugmentMC's CutoutAbs(v): 16 at 32x32, 7 at 28x28; PIL's rectangle includes both corners,
+    # so the square is v + 1 pixels a side; the corner is moved inside the image, so only the far
+    # border can clip it
     assert default_cutout(32) == 16 and default_cutout(28) == 7
-    for size, side in ((32, 16), (28, 7)):
+    for size, side in ((32, 17), (28, 8)):
         x = torch.zeros(64, 1, size, size)
         out = strong_augment(x, generator(3), flip=False, num_ops=0)
         grey = out == 127.0 / 255.0
@@ -268,14 +271,14 @@ def test_op_prob_zero_leaves_only_the_weak_view_and_the_cutout() -> None:
 
 def test_the_default_strong_view_is_randaugment_mc() -> None:
     # defaults: 2 ops, each applied half the time (a quarter of the samples get no op at all),
-    # magnitudes 1..9, and the fixed 7 px cutout at 28x28
+    # magnitudes 1..9, and CutoutAbs(7) at 28x28: PIL's inclusive rectangle fills 8 x 8 pixels
     x = torch.zeros(4000, 1, 28, 28)
     out, ops = strong_augment(x, generator(6), flip=False, return_ops=True)
     applied = ops >= 0
     assert abs(float(applied.float().mean()) - 0.5) < 0.03
     assert abs(float((~applied).all(dim=1).float().mean()) - 0.25) < 0.03
     grey = (out == 127.0 / 255.0).sum(dim=(1, 2, 3))
-    assert int(grey.max()) == 7 * 7
+    assert int(grey.max()) == 8 * 8
 
 
 # ---- the batched fast path gives the op-by-op path's images bit for bit (issue 15) -----------------
@@ -375,3 +378,28 @@ def test_the_gpu_parity_script_runs_on_the_cpu(tmp_path) -> None:
         ([4, c, s, s], v) for c, s in ((1, 28), (3, 32)) for v in ("weak", "strong")
     ]
     assert all(r["max_abs_diff"] == 0.0 and r["ms_per_call"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("name", ["ShearX", "ShearY"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_shears_are_pils_about_the_top_left_corner(name, sign) -> None:
+    """PIL's ShearX, ``transform(AFFINE, (1, s, 0, 0, 1, 0))``, reads output pixel (x, y) (centres at
+    ``i + 0.5`` from the corner) from input ``(x + s y, y)``: the top row hardly moves, the bottom one
+    by ``s H``. Checked against a bilinear reading of that formula written out here (zeros outside)."""
+    h = w = 12
+    x = torch.rand(1, 1, h, w, generator=torch.Generator().manual_seed(7))
+    level, s = torch.tensor([1.0]), 0.3 * sign
+    out = apply_op(x.clone(), OP_NAMES.index(name), level, torch.tensor([sign]))[0, 0]
+    img = x[0, 0] if name == "ShearX" else x[0, 0].T  # ShearY is ShearX of the transposed image
+    expected = torch.zeros(h, w)
+    for i in range(h):
+        for j in range(w):
+            src = (j + 0.5) + s * (i + 0.5) - 0.5  # input column, in pixel-index units
+            lo = math.floor(src)
+            frac = src - lo
+            left = img[i, lo] if 0 <= lo < w else 0.0
+            right = img[i, lo + 1] if 0 <= lo + 1 < w else 0.0
+            expected[i, j] = (1 - frac) * left + frac * right
+    if name == "ShearY":
+        expected = expected.T
+    assert torch.allclose(out, expected.clamp(0, 1), atol=1e-5)

@@ -178,6 +178,35 @@ def test_self_training_takes_pseudo_label_and_loss_on_the_weak_view(small_config
     assert gap(reply.weights, replay(algo, start, [0], consistency(x_s, x_s, 0.0))) > 100 * CLOSE
 
 
+def test_self_training_pseudo_labels_come_from_the_eval_mode_forward(small_config, views):
+    """Eq. 3's y_bar with BatchNorm: the authors' code labels with the model in eval mode (running
+    statistics), and the cross-entropy is on the train-mode forward of the same view."""
+    exp, algo = make(
+        small_config, "model_args.norm=bn", "train_args.local_steps=1", "ssfl_args.user_loss=self_training"
+    )
+    data = exp.client_data(1)
+    x_w, _ = client_views(algo, data)
+    algo.config.threshold = 0.0  # every sample trains on its label: which forward labels decides the step
+    reply = algo.client_update(algo.message_for(1, 0), data, {}, ctx(exp, 0))
+
+    def labelled_in(mode):
+        def loss(model):
+            model.train(mode == "train")
+            with torch.no_grad():
+                y = model(x_w).argmax(dim=1)
+            model.train()
+            return F.cross_entropy(model(x_w), y)
+
+        return loss
+
+    start = [algo.global_state]
+    eval_labels = replay(algo, start, [0], labelled_in("eval"))
+    train_labels = replay(algo, start, [0], labelled_in("train"))
+    # BatchNorm's shuffled batch sums round differently: a wider tolerance than CLOSE, far below the gap
+    assert gap(eval_labels, train_labels) > 1000 * CLOSE  # the two readings give different steps here
+    assert gap(reply.weights, eval_labels) < 10 * CLOSE
+
+
 # ---- (c) grouping, Eq. 7 -----------------------------------------------------------------------
 def test_grouping_averages_each_group_with_the_server_and_sends_it_back(small_config):
     exp, algo = make(small_config, "ssfl_args.averaging=grouping", "ssfl_args.num_groups=2")
@@ -195,6 +224,21 @@ def test_grouping_averages_each_group_with_the_server_and_sends_it_back(small_co
     # Eq. 7 with C_k < K: a group without a sampled client this round is left out of the mean
     algo.aggregate({k: replies[k] for k in (0, 1)}, 1)
     assert value_of(algo.global_state) == pytest.approx(g0)
+
+
+def test_weight_diversity_measures_each_party_from_where_it_started(small_config):
+    """Eq. 8 with grouping: g_i = w_i - (the model party i started from): the server's w_avg, each
+    client's group average w_avg,i it received; sum ||g_i||^2 / ||sum g_i||^2 as printed."""
+    exp, algo = make(small_config, "ssfl_args.averaging=grouping", "ssfl_args.num_groups=2")
+    algo.global_state = filled(algo.global_state, 0.5)
+    algo.group_states = {0: filled(algo.global_state, 1.0), 1: filled(algo.global_state, 3.0)}
+    algo._server_state = filled(algo.global_state, 0.6)  # g = 0.1 from w_avg
+    starts = {0: 1.0, 1: 1.0, 2: 3.0, 3: 3.0}  # contiguous groups {0, 1}, {2, 3}
+    replies = {k: Message(weights=filled(algo.global_state, v + 0.2)) for k, v in starts.items()}  # g = 0.2 each
+    metrics = algo.aggregate(replies, 0)
+    # every parameter moved the same in each party, so the parameter count cancels
+    assert metrics["weight_diversity"] == pytest.approx((0.1**2 + 4 * 0.2**2) / (0.1 + 4 * 0.2) ** 2)
+    assert metrics["weight_diversity_fc"] == pytest.approx((0.1**2 + 4 * 0.2**2) / (0.1 + 4 * 0.2) ** 2)
 
 
 def test_random_regrouping_deals_the_sampled_clients_into_groups_and_broadcasts_the_global(small_config):

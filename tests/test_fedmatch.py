@@ -135,6 +135,11 @@ def test_phi_is_the_agreement_cross_entropy_on_the_strong_view_plus_the_helpers_
     # without helpers: no KL term, the local model's own confident argmax
     alone_a, alone_kl, alone = phi(logits_plain.detach(), logits_strong.detach(), [], tau=0.85)
     assert float(alone_kl) == 0.0 and alone.labels.tolist()[:2] == [0, 1]
+    # phi_average: confident (the authors' code): both terms are means over the 2 confident rows only
+    conf_a, conf_kl, _ = phi(logits_plain.detach(), logits_strong.detach(), [h1, h2], tau=0.85, average="confident")
+    assert float(conf_a) == pytest.approx(float(ce[:2].sum().detach() / 2), rel=1e-6)
+    kl_kept = [(h * (h.log() - log_local)).sum(1)[:2].mean() for h in (h1, h2)]
+    assert float(conf_kl) == pytest.approx(float(sum(kl_kept) / 2), rel=1e-5)
 
 
 def test_psi_regularisers_are_the_squared_l2_to_frozen_sigma_and_the_l1_of_psi() -> None:

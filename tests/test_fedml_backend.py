@@ -93,7 +93,12 @@ def test_protocol_matches_local_and_client_state_follows_the_silo(small_config, 
         assert st.keys() == b["client_states"][k].keys(), k
         for name, v in st.items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["client_states"][k][name])), (k, name)
-    assert any(s.get("ensemble_count", 0) >= 2 for s in b["client_states"].values())
+    # Algorithm 1 step 2: every client, sampled or not, folded every round's model into its ensemble
+    for states in (a["client_states"], b["client_states"]):
+        assert {k: s.get("ensemble_count") for k, s in states.items()} == {k: 4 for k in range(4)}
+    # ... and the server counted K = 4 messages a round down (a model and the thresholds each), not C_k = 2
+    for a_row, b_row in zip(rows(local.run_dir), rows(fed.run_dir)):
+        assert a_row["bytes_down"] == b_row["bytes_down"] > 1.9 * b_row["bytes_up"] > 0
     # some silo was served by two different workers, so its state really moved with it
     where: dict[int, set[int]] = {}
     for plan in served:
@@ -103,6 +108,52 @@ def test_protocol_matches_local_and_client_state_follows_the_silo(small_config, 
     fed_rows = rows(fed.run_dir)
     assert sum(r["state_bytes_down"] for r in fed_rows) > 0 and sum(r["state_bytes_up"] for r in fed_rows) > 0
     assert json.loads((fed.run_dir / "summary.json").read_text())["runtime"] == "fedml-MPI"
+
+
+@pytest.mark.parametrize("extra", [FEDSEAL, ["ssfl_args.algorithm=fedmatch", "train_args.client_num_per_round=2"]])
+def test_the_idle_client_control_is_the_same_in_both_runtimes(small_config, tmp_path, extra):
+    """``train_args.idle_clients``: the workers send back what they received (the base class decides, in
+    the worker process), so the pooled FedML runtime ends with the simulator's model, traffic and states."""
+    cfg = small_config(*extra, "train_args.comm_round=3", "train_args.idle_clients=true")
+    local = run_local(cfg, run_dir=tmp_path / "local")
+    fed, _, _ = run_protocol(cfg, tmp_path / "fed")
+    a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")
+    b = load_checkpoint(fed.run_dir / "checkpoints" / "last.pt")
+    for k, v in a["algorithm"]["global_state"].items():
+        assert torch.equal(v, b["algorithm"]["global_state"][k]), k
+    keys = ("test_acc", "bytes_up", "bytes_down")
+    assert [[r[k] for k in keys] for r in rows(local.run_dir)] == [[r[k] for k in keys] for r in rows(fed.run_dir)]
+    assert not any("ensemble" in s for s in b["client_states"].values())  # idle: nothing folded, nothing trained
+
+
+def test_deployed_silos_not_sampled_fold_the_broadcast_like_the_simulator(small_config, tmp_path):
+    """FedSEAL's Algorithm 1 step 2 in deployment mode: the server sends every silo the round's model,
+    the silos not sampled fold it into their ensembles and stay idle; each silo's state (kept on the
+    silo) and the server's model end as the simulator's."""
+    from fedml_ssfl.config import load_config
+    from fedml_ssfl.experiment import export_deployment
+    from fedml_ssfl.runtime.fedml.server import DeployedServerRuntime
+    from fedml_ssfl.runtime.fedml.worker import SiloWorker
+
+    sim = small_config(*FEDSEAL, "common_args.run_name=sim")
+    local = run_local(sim, run_dir=tmp_path / "local")
+    dcfg = load_config(export_deployment(sim, tmp_path / "data"), [f"common_args.output_dir={tmp_path / 'dep'}"])
+    exp = build_experiment(dcfg)
+    exp.algorithm.setup()
+    K = dcfg.train_args.client_num_in_total
+    rt = DeployedServerRuntime(dcfg, exp, tmp_path / "dep" / "run", None, K)
+    silos = {k: SiloWorker(dcfg, k + 1) for k in range(K)}
+    while not rt.done:
+        payloads = rt.begin_round()
+        rt.finish_round([wire(silos[k].handle(wire(payloads[k]))) for k in range(K)])
+    rt.result()
+    a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "dep" / "run" / "checkpoints" / "last.pt")
+    for k, v in a["algorithm"]["global_state"].items():
+        assert torch.equal(v, b["algorithm"]["global_state"][k]), k
+    for k, state in a["client_states"].items():
+        assert state["ensemble_count"] == silos[k].state["ensemble_count"] == 4, k
+        assert torch.equal(state["ensemble"], silos[k].state["ensemble"]), k
 
 
 def test_resume_after_stop_continues_bit_for_bit(small_config, tmp_path):

@@ -42,17 +42,22 @@ def test_thresholds_on_a_hand_made_validation_set() -> None:
     )
     labels = torch.tensor([0, 0, 1, 1, 2, 2])
     tau = classwise_thresholds(probs, labels, 5)
-    # tau_m = (sum of confidences of samples predicted m) / (number of true class-m samples)
-    assert tau[0].item() == pytest.approx((0.9 + 0.7 + 0.6) / 2)  # over-predicted: above 1
+    # tau_m = (sum of confidences of samples predicted m) / (number of true class-m samples), in [0, 1]
+    assert tau[0].item() == 1.0  # over-predicted: (0.9 + 0.7 + 0.6) / 2 = 1.1, clipped (Sec. 4.1.2)
     assert tau[1].item() == pytest.approx((0.8 + 0.5) / 2)
     assert tau[2].item() == pytest.approx(0.6 / 2)
-    assert math.isinf(tau[3].item()) and math.isinf(tau[4].item())  # no validation sample of the class
+    assert tau[3].item() == 1.0 and tau[4].item() == 1.0  # no validation sample of the class
 
 
-def test_threshold_of_a_never_predicted_class_is_zero() -> None:
+def test_threshold_of_a_never_predicted_class_is_zero_and_every_threshold_lies_in_0_1() -> None:
     probs = torch.tensor([[0.8, 0.2], [0.6, 0.4]])
     tau = classwise_thresholds(probs, torch.tensor([0, 1]), 2)
-    assert tau.tolist() == pytest.approx([1.4, 0.0])
+    assert tau.tolist() == pytest.approx([1.0, 0.0])  # 1.4 as a ratio: clipped
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):  # any validation set: tau_m in [0, 1]
+        probs = torch.rand(30, 4, generator=g).pow(4).softmax(dim=1)
+        tau = classwise_thresholds(probs, torch.randint(0, 4, (30,), generator=g), 6)
+        assert bool(((tau >= 0) & (tau <= 1)).all())
 
 
 # ---- Eq. 8 ----------------------------------------------------------------------------------------

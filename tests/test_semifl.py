@@ -273,6 +273,7 @@ def test_config_errors_name_the_key() -> None:
         ({"local_epochs": 0}, "ssfl_args.local_epochs"),
         ({"server_epochs": -1}, "ssfl_args.server_epochs"),
         ({"server_steps": -1}, "ssfl_args.server_steps"),
+        ({"server_batch_size": 0}, "ssfl_args.server_batch_size"),
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate({**base, "ssfl_args": {"algorithm": "semifl", **bad}})
@@ -404,6 +405,79 @@ def test_server_fine_tunes_e_epochs_over_its_labels(monkeypatch) -> None:
     algo = _algo(server_steps=7)
     algo.server_step(0)
     assert algo.server_steps == 7 and [len(b) for b in seen] == [8] * 7
+
+
+def test_server_fine_tunes_at_its_own_batch_size_b_s(monkeypatch) -> None:
+    # Algorithm 1: "server and client respective batch sizes B_s and B_m": server_batch_size is B_s,
+    # train_args.batch_size stays the clients' B_m (12 labels at B_s = 5: batches of 5, 5, 2 an epoch)
+    seen: list[int] = []
+    original = InputPipeline.weak
+
+    def spy(self, images, generator):
+        seen.append(len(images))
+        return original(self, images, generator)
+
+    monkeypatch.setattr(InputPipeline, "weak", spy)
+    algo = _algo(server_batch_size=5, server_epochs=2, threshold=0.0, local_epochs=None)
+    assert algo.server_steps == 6 and algo.train.batch_size == 8
+    algo.server_step(0)
+    assert seen == [5, 5, 2] * 2
+    seen.clear()
+    data = _client(algo)
+    algo.client_update(algo.message_for(0, 0), data, {}, ClientContext(0, torch.device("cpu"), 0))
+    # the pseudo-labelling pass over the client's 48 samples, then the mixtures of its T = 2 steps at
+    # B_m = 8 (one chunk): the client's batch is B_m, not B_s
+    assert seen == [48, 2 * 8]
+
+
+def test_cosine_annealing_is_the_authors_schedule() -> None:
+    """``lr_schedule: cosine_annealing`` is PyTorch's CosineAnnealingLR to 0 stepped per round (the
+    SemiFL authors'): lr (1 + cos(pi t / T)) / 2; Eq. 9's cosine with c = 0.5 is another curve."""
+    from fedml_ssfl.training import cosine_lr
+
+    t = TrainSettings(learning_rate=0.03, comm_round=10, local_steps=4, lr_schedule="cosine_annealing")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.03)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10, eta_min=0.0)
+    for r in range(10):
+        assert cosine_lr(t, r * 4) == pytest.approx(sched.get_last_lr()[0], rel=1e-9, abs=1e-12), r
+        assert cosine_lr(t, r * 4) == pytest.approx(0.03 * (1 + math.cos(math.pi * r / 10)) / 2)
+        opt.step()
+        sched.step()
+    half = TrainSettings(learning_rate=0.03, comm_round=10, local_steps=4, lr_schedule="cosine", lr_cosine_c=0.5)
+    assert cosine_lr(half, 20) == pytest.approx(0.03 * math.cos(math.pi / 4))  # 0.71 lr, not the 0.5 lr above
+    assert validate({"train_args": {"lr_schedule": "cosine_annealing"}}).train_args.lr_schedule == "cosine_annealing"
+
+
+def test_persistent_optimizer_carries_every_partys_momentum_across_rounds() -> None:
+    """The authors keep each client's and the server's SGD across rounds (``persistent_optimizer``):
+    the client's buffers go into its state and the next round starts from them; without the option
+    every round starts fresh (Algorithm 1's plain steps)."""
+    ctx0, ctx1 = ClientContext(0, torch.device("cpu"), 0), ClientContext(1, torch.device("cpu"), 0)
+    for persistent in (False, True):
+        algo = _algo(threshold=0.0, persistent_optimizer=persistent)
+        data = _client(algo)
+        algo.server_step(0)
+        assert bool(algo.fine_tune_momentum) == persistent  # the fine-tune's buffers, kept for round 1
+        state: dict = {}
+        algo.client_update(algo.message_for(0, 0), data, state, ctx0)
+        assert set(state) == ({"momentum"} if persistent else set())
+        if persistent:
+            assert set(state["momentum"]) == set(algo.param_keys)
+        msg = algo.message_for(0, 1)
+        carried = algo.client_update(msg, data, dict(state), ctx1)
+        fresh = algo.client_update(msg, data, {}, ctx1)
+        same = all(torch.equal(carried.weights[k], fresh.weights[k]) for k in carried.weights)
+        assert same != persistent  # the carried buffers change the step exactly when the option is on
+
+
+def test_persistent_optimizer_resumes_exactly(tmp_path) -> None:
+    from tests.conftest import resume_matches_uninterrupted
+
+    cfg = _digits_cfg(tmp_path, rounds=3, persistent_optimizer=True, threshold=0.3)
+    cfg.train_args.local_steps = 3
+    cfg.ssfl_args.server_steps = 4
+    full, _ = resume_matches_uninterrupted(cfg, tmp_path)
+    assert full["algorithm"]["fine_tune_momentum"] and any("momentum" in s for s in full["client_states"].values())
 
 
 def test_sbn_recomputes_the_statistics_the_clients_pseudo_label_with() -> None:

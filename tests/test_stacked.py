@@ -53,6 +53,13 @@ CASES = {
     ],
     # Nesterov momentum kept by each client across rounds, the clients' own BatchNorm statistics
     "fedavg_ssl-bn": ["ssfl_args.algorithm=fedavg_ssl", "model_args.norm=bn", "ssfl_args.threshold=0.12"],
+    # self-training (Eq. 3): the pseudo-label from the eval-mode forward (running statistics), the loss in train mode
+    "self_training-bn": [
+        "ssfl_args.algorithm=fedavg_ssl",
+        "ssfl_args.user_loss=self_training",
+        "model_args.norm=bn",
+        "ssfl_args.threshold=0.12",
+    ],
     # SemiFL's fix + mix steps (the papers' batch-10 setting): BatchNorm, Nesterov, clipping, the round's fixed
     # rate; an untrained model is never 0.95-sure, so a low threshold
     "semifl-bn": [
@@ -61,6 +68,15 @@ CASES = {
         "ssfl_args.threshold=0.1",
         "ssfl_args.local_epochs=null",
         "ssfl_args.server_steps=2",
+    ],
+    # ... with the authors' optimiser kept across rounds (each client's Nesterov buffers in its state)
+    "semifl-bn-persistent": [
+        "ssfl_args.algorithm=semifl",
+        "model_args.norm=bn",
+        "ssfl_args.threshold=0.1",
+        "ssfl_args.local_epochs=null",
+        "ssfl_args.server_steps=2",
+        "ssfl_args.persistent_optimizer=true",
     ],
     # FedSiam's online net with its EMA target (a Follower, Eq. 9): BatchNorm (the target's own statistics), the
     # step-counted alpha (each client its own within a stack in round 2), per-step beta and the constant rate
@@ -114,6 +130,14 @@ CASES = {
         "ssfl_args.unlabeled_batch_size=12",
         "ssfl_args.tau=0.2",
         "ssfl_args.helper_interval=1",
+    ],
+    # ... with Phi averaged over the confident samples (the authors' code; a data-dependent divisor under vmap)
+    "fedmatch-server-gn-confident": [
+        "ssfl_args.algorithm=fedmatch",
+        "ssfl_args.unlabeled_batch_size=12",
+        "ssfl_args.tau=0.2",
+        "ssfl_args.helper_interval=1",
+        "ssfl_args.phi_average=confident",
     ],
     "local_fixmatch-gn": [
         "ssfl_args.algorithm=local_fixmatch",

@@ -18,9 +18,16 @@ Round protocol, driven by the runtime::
         chosen = sampler(r)                        # runtime, seeded
         algo.server_step(r)                        # server's own supervised work
         msgs = {k: algo.message_for(k, r) for k in chosen}
-        replies = {k: algo.client_update(msgs[k], data[k], state[k], ctx(k, r)) for k in chosen}
+        replies = {k: algo.run_client_update(msgs[k], data[k], state[k], ctx(k, r)) for k in chosen}
+        if algo.broadcasts_to_all():               # every other client receives the round's model too
+            for k in others: algo.run_client_receive(algo.message_for(k, r), data[k], state[k], ctx(k, r))
         metrics = algo.aggregate(replies, r)       # returns per-round metrics to log
         evaluate(algo.global_model())
+
+The runtimes call the ``run_*`` methods, which apply ``train_args.idle_clients`` (the idle-client
+control, :meth:`Algorithm.idle_reply`) before handing over to the algorithm's own
+:meth:`Algorithm.client_update` / :meth:`Algorithm.client_updates_stacked` /
+:meth:`Algorithm.client_receive`.
 """
 
 from __future__ import annotations
@@ -138,6 +145,9 @@ class Algorithm:
     stackable: ClassVar[bool] = False
     """True when :meth:`client_updates_stacked` trains a round's clients together
     (``train_args.stack_clients``); the config check refuses the option otherwise."""
+    idle_clients_note: ClassVar[str] = ""
+    """Non-empty when ``train_args.idle_clients`` means nothing for the algorithm (it has no server side
+    to keep, or its clients send nothing anyway): the config check refuses the switch with this reason."""
 
     def __init__(
         self,
@@ -197,7 +207,57 @@ class Algorithm:
         """Restore what :meth:`state_dict` returned."""
         raise NotImplementedError
 
+    def broadcasts_to_all(self) -> bool:
+        """True when every client, sampled or not, receives each round's message (:meth:`message_for`)
+        and folds it into its state (:meth:`client_receive`), e.g. FedSEAL's Algorithm 1 step 2 ("all
+        clients download the global model"). The runtimes then build a message for every client not
+        sampled, count it as server-to-client traffic, and deliver it. Default: False."""
+        return False
+
+    # ---- what a runtime calls for a client ----------------------------------------------------
+    def run_client_update(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> Message:
+        """A sampled client's turn: :meth:`client_update`, or under ``train_args.idle_clients`` the
+        idle-client control's :meth:`idle_reply` (the client leaves its data and its state alone)."""
+        if self.train.idle_clients:
+            return self.idle_reply(msg, data, state, ctx)
+        return self.client_update(msg, data, state, ctx)
+
+    def run_client_updates_stacked(
+        self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext, max_stack: int = 0
+    ) -> dict[int, Message]:
+        """A round's sampled clients together (:meth:`client_updates_stacked`), or their idle replies."""
+        if self.train.idle_clients:
+            return {k: self.idle_reply(msg, data, state, ctx) for k, (msg, data, state) in work.items()}
+        return self.client_updates_stacked(work, ctx, max_stack)
+
+    def run_client_receive(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> None:
+        """A client not sampled this round receives the round's message (:meth:`broadcasts_to_all`):
+        :meth:`client_receive`; nothing under ``train_args.idle_clients`` (idle clients do no work;
+        the message is still built and counted, so the traffic is the trained run's)."""
+        if not self.train.idle_clients:
+            self.client_receive(msg, data, state, ctx)
+
     # ---- client side -------------------------------------------------------------------
+    def idle_reply(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> Message:
+        """The idle-client control's reply (``train_args.idle_clients``): the model the client received.
+
+        Default: the received ``weights`` as they came, with the sample count a trained reply would
+        carry (:meth:`reply_samples`), no metrics and no other extras; the client's ``state`` is left
+        as it was. An algorithm whose reply is not the received weights (deltas, partial uploads)
+        overrides this to send what "the model I received" means in its own message format, so
+        that the server's path (aggregation, records, traffic accounting) runs unchanged.
+        """
+        return Message(weights=dict(msg.weights), num_samples=self.reply_samples(data))
+
+    def reply_samples(self, data: ClientData) -> int:
+        """The ``num_samples`` a client's reply carries (what weighted averaging weighs it by).
+        Default: its unlabeled and labeled samples."""
+        return data.num_unlabeled + data.num_labeled
+
+    def client_receive(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> None:
+        """A client not sampled this round receives the round's message and may update its ``state``
+        (only for an algorithm whose :meth:`broadcasts_to_all` is True). Default: nothing."""
+
     def client_update(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> Message:
         """A pure function of (message, local data, the client's own state, context).
 

@@ -36,6 +36,7 @@ class ServerOnly(GlobalModelAlgorithm):
 
     name = "server_only"
     config_class = ServerOnlyConfig
+    idle_clients_note = "has no clients to idle (server-only training: they send nothing already)"
 
     def server_step(self, round_idx: int) -> None:
         self.global_state = self.train_on_server_labels(self.global_state, round_idx)

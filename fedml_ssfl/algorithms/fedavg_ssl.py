@@ -6,16 +6,23 @@ Labels-at-server. Every round, from the global model ``w_avg``:
 * each of the C_k sampled clients takes T steps on its unlabeled data with the user loss
   ``crl`` (Eq. 6: pseudo-label = argmax f(alpha(x)) kept where max prob >= tau, cross-entropy on
   f(A(x)), both views in one forward pass) or ``self_training`` (Eq. 3: pseudo-label and
-  cross-entropy on the same f(alpha(x)));
+  cross-entropy on the same alpha(x), the pseudo-label from the model in eval mode, as the
+  authors' code takes it, the cross-entropy from the train-mode forward);
 * the server averages itself with the clients: ``fedavg`` (Eq. 4/5, uniform, the server
   counting as one model), or ``grouping`` (Eq. 7: S groups each average with the server, the
   global model is the mean of the S group averages, and group i receives its own ``w_avg,i``
   next round).
 
 The learning rate follows Eq. 9 (``train_args.lr_*``). Each round logs the weight diversity of
-Eq. 8 (``sum ||g_i||^2 / ||sum g_i||^2`` with ``g_i = w_i - w_avg``) over the parameters of the
-classifier layer, as the authors plot it (``weight_diversity_fc``: the head a forward pass finds,
-whatever its name; absent for a model whose head it cannot find), and over all parameters.
+Eq. 8 (``sum ||g_i||^2 / ||sum g_i||^2``) over the parameters of the classifier layer, as the
+authors plot it (``weight_diversity_fc``: the head a forward pass finds, whatever its name; absent
+for a model whose head it cannot find), and over all parameters, with ``g_i = w_i - w_i^start``
+measured from where each of the ``C_k + 1`` models started its round: ``w_avg`` for the server,
+what each client received for a client (under ``grouping`` its group's ``w_avg,i``, as the
+authors' ``Grad_Diff.py`` measures each group from the group's start). The logged value is Eq. 8
+as printed (Yin et al.'s gradient diversity, 1/(C_k + 1) when all updates are equal); the
+authors' plots show ``mean_i ||g_i||^2 / ||mean g||^2``, which is ``C_k + 1`` times it (1 for
+equal updates; with grouping they average the ratio per group).
 
 Defaults follow the paper: tau = 0.95, S = 2, CRL, training from a random model. Where the paper
 is silent the authors' code (github.com/jhcknzzm/SSFL-Benchmarking-Semi-supervised-Federated-
@@ -171,8 +178,10 @@ class ConsistencyStepLoss:
 
     CRL puts alpha(x) and A(x) through the model in one forward pass; the weak half gives the
     pseudo-label (kept where its confidence reaches ``threshold``), the strong half is trained on
-    it. Self-training pseudo-labels and trains on the same alpha(x). A pure step loss
-    (:data:`~fedml_ssfl.stacked.StepLoss`).
+    it. Self-training pseudo-labels and trains on the same alpha(x): the pseudo-label ``y_bar`` of
+    Eq. 3 comes from the model in eval mode (``forward.eval``: BatchNorm on its running statistics,
+    as the authors' code labels with ``model.eval()``), the loss from the train-mode forward of
+    the same view. A pure step loss (:data:`~fedml_ssfl.stacked.StepLoss`).
     """
 
     threshold: float
@@ -181,7 +190,8 @@ class ConsistencyStepLoss:
         if "strong" in batch:
             logits_weak, logits_train = forward(torch.cat([batch["weak"], batch["strong"]])).chunk(2)
         else:
-            logits_weak = logits_train = forward(batch["weak"])
+            logits_weak = forward.eval(batch["weak"])  # Eq. 3's y_bar: the authors label in eval mode, first
+            logits_train = forward(batch["weak"])  # (then the train-mode pass moves the BN statistics)
         loss, pl = masked_consistency_loss(logits_train, logits_weak.detach().softmax(dim=1), self.threshold)
         pseudo = {"pseudo_labels": pl.labels, "pseudo_confidence": pl.confidence, "pseudo_mask": pl.mask}
         return loss, {"metrics": {"mask_rate": pl.mask.float().mean()}, **pseudo}
@@ -330,6 +340,9 @@ class FedAvgSSL(JobAlgorithm):
         params = self.parameter_names()
         keys = None if self.config.average_buffers else params
         participants = [self._server_state, *(m.weights for m in live.values())]
+        # Eq. 8's g_i from where each party started: the server from w_avg, a client from what it was
+        # sent (its group's w_avg,i under fixed grouping): read before the group averages are replaced
+        starts = [before, *(self._sent_start(k, round_idx) for k in live)]
         if self.config.averaging == "grouping":
             chosen = sorted(live)
             groups: dict[int, list] = {g: [] for g in range(self.config.num_groups)}
@@ -344,10 +357,17 @@ class FedAvgSSL(JobAlgorithm):
         else:
             self.global_state = fedavg_with_server(self._server_state, [m.weights for m in live.values()], keys=keys)
         head = self.head_names()
-        metrics = {"weight_diversity": weight_diversity(before, participants, params)}
+        metrics = {"weight_diversity": weight_diversity(before, participants, params, starts)}
         if head:  # a model whose head a forward pass cannot find has no such figure (not a NaN)
-            metrics["weight_diversity_fc"] = weight_diversity(before, participants, head)
+            metrics["weight_diversity_fc"] = weight_diversity(before, participants, head, starts)
         return metrics
+
+    def _sent_start(self, client_id: int, round_idx: int) -> dict[str, torch.Tensor]:
+        """The weights ``client_id`` received this round (:meth:`message_for`), without building a message."""
+        if self.config.averaging == "grouping" and self.config.regroup == "fixed":
+            g = self.group_of(client_id, [client_id], round_idx)
+            return self.group_states.get(g, self.global_state)
+        return self.global_state
 
     def state_dict(self) -> dict:
         return {

@@ -83,6 +83,11 @@ Choices and deviations (the paper is silent or vague):
   the paper's adaptive decay on a validation loss has no federated counterpart here), a fresh
   optimiser each round. Labeled batches use weak augmentation alpha(x), of
   ``labeled_batch_size`` (default ``train_args.batch_size``).
+* The strong view pi(u) is FixMatch's RandAugmentMC (:mod:`fedml_ssfl.data.augment`: 2 ops, each
+  applied half the time at a magnitude 1..9 of 10, then a cutout of 8 px at 28x28, 17 px at 32x32),
+  stronger than the authors' (A.1: "RandAugment ... with random magnitude"; their code's own
+  RandAugment draws the magnitude in [2, 5] and has no cutout). Not an option: the package has one
+  strong view.
 * The vote and the KL term use the local model in train mode on the unaugmented input (one
   forward pass with ``A(u)``); helpers run in eval mode without gradient. With BatchNorm the
   helpers therefore use running statistics; the paper's ResNet-9 has no BatchNorm.
@@ -91,7 +96,8 @@ Choices and deviations (the paper is silent or vague):
   the lowest index.
 * Both Phi terms are means over the whole unlabeled batch: the CE with masked-out samples
   counting as zeros, the KL over every sample. The authors' code restricts both to the
-  confident samples and averages over those.
+  confident samples and averages over those: ``phi_average: confident``, an option (Phi is then
+  larger by 1 / mask rate).
 * The authors' code uses one plain SGD optimiser for both parts; here each part has its own
   (the same as one while ``momentum`` is 0, the default: plain SGD keeps no state).
 * Helpers are used only in the round they arrive ("rounds without helpers drop the KL term")
@@ -220,6 +226,10 @@ class FedMatchConfig(AlgorithmConfig):
         psi pull and makes it overshoot (see :func:`psi_pull`).
     probe_size : int
         Number of noise images the helper embedding is computed on (1).
+    phi_average : str
+        ``batch`` (default): Phi's two terms are means over the whole unlabeled batch (masked-out
+        samples count as zeros). ``confident``: the authors' code, means over the samples whose
+        agreement label is kept (Eq. 3's mask), which makes Phi larger by 1 / mask rate.
     """
 
     lambda_s: float = 10.0
@@ -241,6 +251,7 @@ class FedMatchConfig(AlgorithmConfig):
     unlabeled_batch_size: int | None = 100
     momentum: float = 0.0
     probe_size: int = 1
+    phi_average: str = "batch"
 
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
@@ -272,6 +283,8 @@ class FedMatchConfig(AlgorithmConfig):
             raise ConfigError(f"ssfl_args.momentum: {self.momentum} must lie in [0, 1) (0: plain SGD, the authors')")
         if self.probe_size < 1:
             raise ConfigError(f"ssfl_args.probe_size: {self.probe_size} must be >= 1")
+        if self.phi_average not in ("batch", "confident"):
+            raise ConfigError(f"ssfl_args.phi_average: {self.phi_average!r} is not one of batch, confident")
         c = psi_pull(self.lambda_l2, cfg.train_args.learning_rate, cfg.train_args.local_steps, self.momentum)
         if c > PULL_WARNING:
             log.warning(
@@ -330,6 +343,7 @@ def phi(
     logits_strong: torch.Tensor,
     helper_probs: Sequence[torch.Tensor],
     tau: float,
+    average: str = "batch",
 ) -> tuple[torch.Tensor, torch.Tensor, PseudoLabels]:
     """Eq. 2's two terms on one unlabeled batch: agreement cross-entropy and inter-client KL.
 
@@ -343,23 +357,34 @@ def phi(
         The frozen helpers' probabilities on u (may be empty: no KL term, a local vote).
     tau : float
         The local confidence threshold of Eq. 3.
+    average : str
+        ``batch`` (default): both terms are means over the whole batch, masked-out samples counting
+        as zeros in the CE. ``confident`` (the authors' code): both are means over the confident
+        samples only (the mask of Eq. 3; 0 when none is confident).
 
     Returns
     -------
     loss_agree : torch.Tensor
-        ``CE(y_hat, p_local(pi(u)))`` with y_hat the agreement label of Eq. 3, averaged over the
-        whole batch (masked-out samples count as zeros).
+        ``CE(y_hat, p_local(pi(u)))`` with y_hat the agreement label of Eq. 3, averaged as ``average``
+        says.
     loss_kl : torch.Tensor
-        ``1/H sum_j KL(p_h_j(u) || p_local(u))`` (Eq. 1), 0 without helpers.
+        ``1/H sum_j KL(p_h_j(u) || p_local(u))`` (Eq. 1), averaged as ``average`` says, 0 without
+        helpers.
     pseudo : PseudoLabels
         The agreement labels and their mask.
     """
     pl = agreement_pseudo_labels(logits_plain.detach().float().softmax(dim=1), helper_probs, tau)
     ce = F.cross_entropy(logits_strong, pl.labels, reduction="none")
-    loss_agree = (ce * pl.mask.to(ce.dtype)).mean()
+    mask = pl.mask.to(ce.dtype)
+    loss_agree = (ce * mask).mean()
+    # the authors' code: means over the confident samples (a tensor factor: no branch on values, vmap-safe)
+    scale = mask.numel() / mask.sum().clamp_min(1.0) if average == "confident" else None
     loss_kl = torch.zeros((), device=logits_plain.device)
     if helper_probs:
-        loss_kl = sum(kl_consistency(logits_plain, p) for p in helper_probs) / len(helper_probs)
+        kl_mask = pl.mask if scale is not None else None
+        loss_kl = sum(kl_consistency(logits_plain, p, kl_mask) for p in helper_probs) / len(helper_probs)
+    if scale is not None:
+        loss_agree, loss_kl = loss_agree * scale, loss_kl * scale
     return loss_agree, loss_kl, pl
 
 
@@ -381,6 +406,7 @@ class FedMatchLoss:
     lambda_l2: float
     lambda_l1: float
     tau: float
+    phi_average: str = "batch"
 
     def sigma(self, net: Any, sigma: Any, psi: Any, batch: Any) -> torch.Tensor:
         """Eq. 4: ``lambda_s CE(y, p_{sigma + psi*}(y | alpha(x)))``, psi frozen."""
@@ -401,7 +427,7 @@ class FedMatchLoss:
                 helper_probs = [net(hw, x_plain, False).float().softmax(dim=1) for hw in helpers]
         w = {n: sigma[n].detach() + psi[n] for n in psi}
         logits_plain, logits_strong = net(w, torch.cat([x_plain, batch["x_strong"]]), True).split(n_b)
-        loss_a, loss_i, pl = phi(logits_plain, logits_strong, helper_probs, self.tau)  # Eq. 2, 3
+        loss_a, loss_i, pl = phi(logits_plain, logits_strong, helper_probs, self.tau, self.phi_average)  # Eq. 2, 3
         l2, l1 = psi_regularisers(sigma, psi)
         loss_u = self.lambda_a * loss_a + self.lambda_i * loss_i + self.lambda_l2 * l2 + self.lambda_l1 * l1  # Eq. 5
         terms = {"loss_agree": loss_a, "loss_kl": loss_i, "l2": l2, "mask_rate": pl.mask.float().mean()}
@@ -664,7 +690,9 @@ class FedMatch(GlobalModelAlgorithm):
     def step_loss(self) -> FedMatchLoss:
         """Eq. 4 and Eq. 5 with this run's weights."""
         cfg = self.config
-        return FedMatchLoss(cfg.lambda_s, cfg.lambda_a, cfg.lambda_i, cfg.lambda_l2, self.setting("lambda_l1"), cfg.tau)
+        return FedMatchLoss(
+            cfg.lambda_s, cfg.lambda_a, cfg.lambda_i, cfg.lambda_l2, self.setting("lambda_l1"), cfg.tau, cfg.phi_average
+        )
 
     def disjoint_batches(
         self,
@@ -811,6 +839,27 @@ class FedMatch(GlobalModelAlgorithm):
             for (k, job), res in zip(jobs.items(), results):
                 replies[k] = self.client_reply(job, res, work[k][1])
         return {k: replies[k] for k in work}
+
+    def idle_reply(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
+        """The idle-client control: the client applies the message to its held copy (:meth:`receive`,
+        so the S2C records of server and client stay equal) and sends back the ``sigma`` / ``psi`` it
+        received: a zero delta (an empty sparse tensor) for each part it would have trained, its
+        received buffers, and the trained reply's sample count. No training, no thresholding."""
+        lay = self.layout()
+        self.receive(msg, state)
+        train_sigma = self.scenario == "client" and data.num_labeled > 0
+        train_psi = data.num_unlabeled > 0
+        if not (train_sigma or train_psi):
+            return Message()
+        c2s, fallback = self.setting("c2s_threshold"), self.config.dense_fallback
+        weights: dict[str, torch.Tensor] = {}
+        for prefix, trained in ((SIGMA, train_sigma), (PSI, train_psi)):
+            if trained:
+                for n in lay.params:
+                    weights[prefix + n] = sparsify(torch.zeros(lay.shapes[n]), c2s, fallback, owned=True)
+        weights.update({k: msg.weights[k] for k in lay.buffers if k in msg.weights})
+        num = (data.num_labeled if train_sigma else 0) + (data.num_unlabeled if train_psi else 0)
+        return Message(weights=weights, num_samples=num)
 
     def client_reply(self, job: DisjointJob, res: DisjointResult, data: ClientData) -> Message:
         """The sparse deltas of what the client trained (sigma, the hard-thresholded psi) and its buffers."""

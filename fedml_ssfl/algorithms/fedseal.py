@@ -49,10 +49,19 @@ Deviations and choices where the paper is silent:
   states momentum for the clients only) and a fresh momentum buffer every round.
 * Probabilities for the ensemble and for the thresholds come from the model in eval mode on
   unaugmented inputs (Eq. 5/7 write ``p(x_i; w)``).
-* With partial participation a client folds in only the global models it receives.
-* Eq. 5 is implemented literally: a class no validation sample is predicted as gets threshold 0
-  (every client sample predicted as that class is kept), an over-predicted class can get a
-  threshold above 1 (none kept); a class absent from the validation set gets ``inf``.
+* Every client folds every round's model into its ensemble, sampled or not (Algorithm 1 step 2:
+  "All clients download global model w^t and confidence threshold vector tau^t from the server";
+  :meth:`FedSEAL.broadcasts_to_all`). What it costs: each round the server sends K models, not
+  C_k (counted in ``bytes_down``), and each client not sampled runs one eval-mode forward pass over
+  its unlabeled data (:meth:`FedSEAL.client_receive`). The local simulator delivers to those
+  clients after the sampled ones trained; a FedML deployment sends every silo its message (the
+  silos not sampled fold it and stay idle); pooled FedML workers (a simulation) have the server
+  process fold it into its copy of those silos' states, each trained silo uploading its state
+  after every round (counted in ``state_bytes_up``). Both runtimes end with the same states.
+* Eq. 5 is kept in [0, 1], as Sec. 4.1.2 states ``tau_m^t in [0, 1]``: the ratio as written
+  exceeds 1 for an over-predicted class (which would then keep no positive for rounds) and is
+  clipped to 1; a class no validation sample is predicted as gets 0 (every client sample
+  predicted as that class is kept); a class absent from the validation set gets 1.
 * Logging: ``runtime`` evaluates after each round the model broadcast in that round (Algorithm 1
   trains the server first); :meth:`FedSEAL.finalize` averages in the last round's clients with
   one more server update, so the final model has seen every round.
@@ -116,7 +125,13 @@ def predict_probs(
 
 
 def classwise_thresholds(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Bian et al. Eq. 5: ``tau_m = sum_i p_m(x_i) 1{f(x_i) = m} / sum_i 1{y_i = m}``.
+    """Bian et al. Eq. 5: ``tau_m = sum_i p_m(x_i) 1{f(x_i) = m} / sum_i 1{y_i = m}``, kept in [0, 1].
+
+    Sec. 4.1.2: "tau_m^t in [0, 1] is the confidence threshold for class m". The ratio itself exceeds
+    1 for a class the model predicts more often (and confidently) than it occurs in the validation
+    set, and would then keep no positive of that class at all; it is clipped to 1 (a class whose
+    samples all the folded models give probability 1 still passes). A class with no validation
+    sample (denominator 0) gets 1 too; a class never predicted gets 0.
 
     Parameters
     ----------
@@ -130,13 +145,13 @@ def classwise_thresholds(probs: torch.Tensor, labels: torch.Tensor, num_classes:
     Returns
     -------
     torch.Tensor
-        (d,) float thresholds; ``inf`` for a class with no validation sample.
+        (d,) float thresholds in [0, 1].
     """
     conf, pred = probs.max(dim=1)
     num = torch.zeros(num_classes, dtype=torch.float64).index_add_(0, pred.cpu(), conf.double().cpu())
     den = torch.bincount(labels.cpu(), minlength=num_classes).double()
-    tau = torch.where(den > 0, num / den.clamp_min(1), torch.full_like(num, float("inf")))
-    return tau.float()
+    tau = torch.where(den > 0, num / den.clamp_min(1), torch.ones_like(num))
+    return tau.clamp(0.0, 1.0).float()  # Sec. 4.1.2: tau_m in [0, 1]
 
 
 def update_ensemble(mean: torch.Tensor | None, count: int, probs: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -398,17 +413,9 @@ class FedSEAL(JobAlgorithm):
         if n == 0:
             return None
         cfg, round_idx = self.config, ctx.round_idx
-        model = self.scratch_model(msg.weights, ctx.device)
         pipeline = InputPipeline(self.data_info, ctx.device)
         gen = ctx.generator(data.client_id)
-        probs = predict_probs(model, pipeline, data.images, data.unlabeled_idx)
-        if cfg.self_ensemble:
-            state["ensemble"], state["ensemble_count"] = update_ensemble(
-                state.get("ensemble"), int(state.get("ensemble_count", 0)), probs
-            )
-            ensemble = state["ensemble"]
-        else:
-            ensemble = probs
+        ensemble = self._fold(msg, data, state, ctx)
         sets = filter_sets(ensemble, msg.extras["thresholds"], cfg.theta, gen, cfg.negative_learning)
         positions = torch.arange(n)
         pos, neg = positions[sets.pos_mask], positions[sets.neg_mask]
@@ -435,6 +442,30 @@ class FedSEAL(JobAlgorithm):
             lr=self.round_lr(round_idx),
             notes={"metrics": metrics},
         )
+
+    def broadcasts_to_all(self) -> bool:
+        """Algorithm 1 step 2: "All clients download global model w^t and confidence threshold vector
+        tau^t from the server", sampled or not, so every client's self-ensemble folds every round's
+        model (:meth:`client_receive`)."""
+        return True
+
+    def client_receive(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> None:
+        """A client not sampled this round folds the downloaded ``w^t`` into its self-ensemble (Eq. 8)."""
+        if data.num_unlabeled and self.config.self_ensemble:
+            self._fold(msg, data, state, ctx)
+
+    def _fold(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> torch.Tensor:
+        """The received model's probabilities on the client's samples (eval mode, unaugmented); with
+        ``self_ensemble`` folded into the client's ensemble (Eq. 8, in ``state``), which is returned,
+        else the probabilities themselves."""
+        model = self.scratch_model(msg.weights, ctx.device)
+        probs = predict_probs(model, InputPipeline(self.data_info, ctx.device), data.images, data.unlabeled_idx)
+        if not self.config.self_ensemble:
+            return probs
+        state["ensemble"], state["ensemble_count"] = update_ensemble(
+            state.get("ensemble"), int(state.get("ensemble_count", 0)), probs
+        )
+        return state["ensemble"]
 
     def _set_batches(
         self,

@@ -728,6 +728,37 @@ class FedSiam(JobAlgorithm):
 
         return draw
 
+    def idle_reply(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> Message:
+        """The idle-client control: the received target net and online net, uploaded by the same rule
+        as a trained pair (Sec. 3.3.2: the target, and the online layers whose FSM of the received pair
+        reaches the boundary; FedSiam-D's FSM vector too), with the trained reply's sample count. The
+        client's counters and own target are left as they were."""
+        if data.num_labeled + data.num_unlabeled == 0:
+            return Message()
+        target = {k: v for k, v in msg.weights.items() if not k.startswith(ONLINE_PREFIX)}
+        online = {k[len(ONLINE_PREFIX) :]: v for k, v in msg.weights.items() if k.startswith(ONLINE_PREFIX)}
+        weights, divergence, _ = self._upload(msg, target, online or target)
+        extras: dict[str, Any] = {"fsm": divergence.float()} if self.config.variant == "d" else {}
+        return Message(weights=weights, num_samples=data.num_labeled + data.num_unlabeled, extras=extras)
+
+    def _upload(
+        self, msg: Message, target_state: dict[str, torch.Tensor], online_state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        """What a client uploads (Sec. 3.3.2): its whole target net under the model's keys, and each online
+        layer whose FSM (Eq. 10) reaches the round's boundary under ``online/<key>``. Returns the weights,
+        the FSM vector and the number of online layers uploaded."""
+        groups = layer_groups(target_state.keys())
+        divergence = fsm(target_state, online_state, groups)  # Eq. 10
+        tau, boundary = float(msg.extras.get("tau", 0.0)), float(msg.extras.get("boundary", 0.0))
+        weights = dict(target_state)
+        uploaded = 0
+        if any(k.startswith(ONLINE_PREFIX) for k in msg.weights) and tau > 0:
+            for j, keys in enumerate(groups.values()):
+                if tau >= 1 or float(divergence[j]) >= boundary:  # Sec. 3.3.2
+                    weights.update({ONLINE_PREFIX + k: online_state[k] for k in keys})
+                    uploaded += 1
+        return weights, divergence, uploaded
+
     def client_reply(
         self, job: LocalJob, result: JobResult, msg: Message, data: ClientData, state: dict[str, Any]
     ) -> Message:
@@ -739,15 +770,7 @@ class FedSiam(JobAlgorithm):
         if not cfg.target_sync:
             state["target"] = target_state
         groups = layer_groups(target_state.keys())
-        divergence = fsm(target_state, online_state, groups)  # Eq. 10
-        tau, boundary = float(msg.extras.get("tau", 0.0)), float(msg.extras.get("boundary", 0.0))
-        weights = dict(target_state)
-        uploaded = 0
-        if any(k.startswith(ONLINE_PREFIX) for k in msg.weights) and tau > 0:
-            for j, keys in enumerate(groups.values()):
-                if tau >= 1 or float(divergence[j]) >= boundary:  # Sec. 3.3.2
-                    weights.update({ONLINE_PREFIX + k: online_state[k] for k in keys})
-                    uploaded += 1
+        weights, divergence, uploaded = self._upload(msg, target_state, online_state)
         metrics = dict(result.metrics)
         metrics.update(
             beta=notes["beta"],

@@ -55,7 +55,11 @@ Deviations from the papers, all on purpose:
 * the optimiser and schedule are ``train_args`` (FedMatch: SGD at 1e-3 with Serra et al.'s
   adaptive decay on a validation loss, which a federated run without a validation split cannot
   follow); TSA (UDA) applies to the clients' labeled loss only, never to the server's steps;
-* the server's supervised steps carry no proximal term (it starts each round at ``w^t``).
+* the server's supervised steps carry no proximal term (it starts each round at ``w^t``);
+* the strong view A(u) is FixMatch's RandAugmentMC (:mod:`fedml_ssfl.data.augment`: 2 ops, each
+  applied half the time at a magnitude 1..9 of 10, then a 17 / 8 px cutout), stronger than the
+  FedMatch authors' (Jeong et al. A.1: "RandAugment ... with random magnitude"; their code draws
+  the magnitude in [2, 5], no cutout), with which FedMatch's tables ran these baselines.
 """
 
 from __future__ import annotations

@@ -116,6 +116,10 @@ class LocalBaseline(JobAlgorithm):
 
     label_scenarios = ("client",)
     label_scenario_note: ClassVar[str] = LOCAL_SCENARIO_NOTE
+    idle_clients_note: ClassVar[str] = (
+        "has no server side: each client trains its own model, so idle clients would leave only the initial "
+        "model (its local references are the control)"
+    )
 
     def setup(self) -> None:
         super().setup()

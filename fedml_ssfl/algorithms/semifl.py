@@ -4,9 +4,11 @@ Labels-at-server. Each round t (Algorithm 1):
 
 * ServerUpdate (Eq. 1): the server fine-tunes the global model on its labels with weak
   augmentation for ``server_epochs`` (E) epochs, each a fresh random split of its labeled set
-  into batches of ``train_args.batch_size`` (the last one shorter), then updates the static
-  BatchNorm (sBN) statistics, and broadcasts the model. ``server_steps`` overrides the epochs
-  with a fixed number of steps.
+  into batches of B_s (``server_batch_size``, default ``train_args.batch_size``; the last one
+  shorter), then updates the static BatchNorm (sBN) statistics, and broadcasts the model.
+  ``server_steps`` overrides the epochs with a fixed number of steps. Algorithm 1's input names
+  "server and client respective batch sizes B_s and B_m": B_m, the clients', is always
+  ``train_args.batch_size``.
 * ClientUpdate: a client pseudo-labels all its data ONCE with the received model in eval mode on
   weakly augmented inputs (Eq. 2); the fix set is the samples with confidence ``>= threshold``
   (Eq. 3; an empty fix set: the client stops and sends nothing); the mix set is ``|fix|``
@@ -68,15 +70,24 @@ include. Those are the authors' code's (``src/utils.py`` ``process_control``, ``
   control ``gm = 0.5``, no Nesterov, no weight decay): Algorithm 1 writes a plain average
   (momentum 0 here), and the paper only names "global SGD momentum" among its appendix
   ablations;
-* lr 0.03, weight decay 5e-4, batch 10 (server: 10 up to 1000 labels, else 250), cosine decay
-  over the rounds: these are ``train_args`` settings shared by every algorithm, not defaults
-  of this module (see ``configs/cifar10/semifl.yaml``).
+* lr 0.03, weight decay 5e-4, client batch B_m = 10, cosine annealing over the rounds: these are
+  ``train_args`` settings shared by every algorithm (``lr_schedule: cosine_annealing`` is the
+  authors' ``CosineAnnealingLR``, ``lr x (1 + cos(pi t / T)) / 2``), not defaults of this module;
+  the server's B_s = 10 up to 1,000 labels, else 250, is ``server_batch_size`` (see
+  ``configs/cifar10/semifl.yaml``: 4,000 labels at 250, 16 steps an epoch);
+* each client's and the server's optimiser lives across rounds (``persistent_optimizer: true``,
+  an option: the default starts a fresh SGD every round, as Algorithm 1's plain steps read).
 
 Deviations and choices:
 
 * The learning rate follows ``train_args.lr_schedule`` evaluated once per round (the authors:
-  cosine annealing to 0 over the rounds, ``lr_cosine_c: 0.5``), for server and clients alike;
-  the final fine-tune uses the last round's rate.
+  cosine annealing to 0 over the rounds, ``lr_schedule: cosine_annealing``; Zhang et al.'s
+  ``cosine`` with ``lr_cosine_c: 0.5`` is ``cos(pi t / 2T)``, another curve), for server and
+  clients alike; the final fine-tune uses the last round's rate.
+* The strong view A is FixMatch's RandAugmentMC (:mod:`fedml_ssfl.data.augment`); the authors'
+  own RandAugment (their ``randaugment.py``) differs: another op pool (Invert, a 40 px cutout
+  among the ops, enhancement factors ``0.1 + 1.8 m / 10``), the fixed magnitude m = 10, each op
+  applied with a probability drawn from U(0.2, 0.8), no cutout after the ops. Not implemented.
 * sBN is federated by default (see above); the authors' sBN reads every client's images and
   averages per-batch statistics, this one pools exact sums.
 * The accuracy logged after round t is that of the model broadcast in round t (Algorithm 1
@@ -113,7 +124,17 @@ from ..errors import ConfigError
 from ..ssl.mixup import mix_inputs, mixup_loss, sample_mix_lambdas
 from ..ssl.pseudo_label import PseudoLabels, kept_accuracy, pseudo_labels
 from ..stacked import LocalJob, run_stacked
-from ..training import BatchStream, InputPipeline, Phase, Step, cosine_lr, cpu_state, run_steps
+from ..training import (
+    BatchStream,
+    InputPipeline,
+    Phase,
+    Step,
+    cosine_lr,
+    cpu_state,
+    load_momentum_buffers,
+    momentum_buffers,
+    run_steps,
+)
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, TrainSettings
 from .fedseal import predict_probs
 from .global_model import GlobalModelAlgorithm, client_party
@@ -316,8 +337,17 @@ class SemiFLConfig(AlgorithmConfig):
         momentum step above is plain, as in the code).
     server_epochs : int
         E of ServerUpdate: epochs over the server's labeled set per round, each a random split
-        into batches of ``train_args.batch_size`` (paper: E epochs; code: 5). 0 skips the
+        into batches of B_s (``server_batch_size``) (paper: E epochs; code: 5). 0 skips the
         fine-tune.
+    server_batch_size : int or None
+        B_s, the server's batch size (Algorithm 1: "server and client respective batch sizes B_s
+        and B_m"); None: ``train_args.batch_size``, which is always B_m, the clients' (code: B_s =
+        10 up to 1,000 labels, else 250; B_m = 10).
+    persistent_optimizer : bool
+        False (default): every party starts each round with a fresh SGD (Algorithm 1 writes plain
+        steps ``W <- W - eta grad``). True: the authors' code, which keeps each client's and the
+        server's optimiser across rounds: a client's momentum buffers live in its state
+        (``state["momentum"]``), the server fine-tune's in the checkpoint.
     server_steps : int or None
         None (default): ``server_epochs`` epochs. An integer: that many steps per round instead
         (batches drawn from reshuffled passes), e.g. to fine-tune longer on a tiny label set.
@@ -344,6 +374,8 @@ class SemiFLConfig(AlgorithmConfig):
     server_momentum: float = 0.5
     nesterov: bool = True
     server_epochs: int = 5
+    server_batch_size: int | None = None
+    persistent_optimizer: bool = False
     server_steps: int | None = None
     local_epochs: int | None = 5
     fine_tune: bool = True
@@ -370,6 +402,11 @@ class SemiFLConfig(AlgorithmConfig):
         if self.server_epochs < 0:
             raise ConfigError(
                 f"ssfl_args.server_epochs: {self.server_epochs} must be >= 0 (0 skips the server's fine-tune)"
+            )
+        if self.server_batch_size is not None and self.server_batch_size < 1:
+            raise ConfigError(
+                f"ssfl_args.server_batch_size: {self.server_batch_size} must be >= 1 "
+                "(or null for train_args.batch_size)"
             )
         if self.server_steps is not None and self.server_steps < 0:
             raise ConfigError(
@@ -414,16 +451,21 @@ class SemiFL(GlobalModelAlgorithm):
 
     # ---- helpers ---------------------------------------------------------------------------
     @property
+    def server_batch_size(self) -> int:
+        """B_s: ``server_batch_size``, else ``train_args.batch_size``."""
+        return self.config.server_batch_size or self.train.batch_size
+
+    @property
     def server_steps(self) -> int:
-        """Fine-tune steps per round: ``server_steps``, else ``server_epochs`` x batches per epoch."""
+        """Fine-tune steps per round: ``server_steps``, else ``server_epochs`` x batches of B_s per epoch."""
         if self.config.server_steps is not None:
             return self.config.server_steps
         n = self.server_data.labeled_idx.numel()
-        return self.config.server_epochs * math.ceil(n / self.train.batch_size) if n else 0
+        return self.config.server_epochs * math.ceil(n / self.server_batch_size) if n else 0
 
     def _server_batches(self, gen: torch.Generator) -> Iterator[torch.Tensor]:
-        """The fine-tune's batches of labeled indices (ServerUpdate of Algorithm 1)."""
-        idx, bs = self.server_data.labeled_idx, self.train.batch_size
+        """The fine-tune's batches of B_s labeled indices (ServerUpdate of Algorithm 1)."""
+        idx, bs = self.server_data.labeled_idx, self.server_batch_size
         if self.config.server_steps is None:
             return epoch_batches(idx, bs, self.config.server_epochs, gen)
         stream = BatchStream(idx, bs, gen)
@@ -450,16 +492,22 @@ class SemiFL(GlobalModelAlgorithm):
         if self.server_steps == 0:
             return cpu_state(model)
         gen = seeding.generator(self.seed, "semifl-server", tag, round_idx)
+        opt = self.make_sgd(model, self.round_lr(round_idx))
+        persistent = self.config.persistent_optimizer and tag != "parallel"
+        if persistent:
+            load_momentum_buffers(opt, model, self.fine_tune_momentum)
         self.server_supervised_steps(
             model,
             self.train,
             round_idx,
             gen,
-            optimizer=self.make_sgd(model, self.round_lr(round_idx)),
+            optimizer=opt,
             batches=self._server_batches(gen),
             clip_norm=self.config.clip_norm,
             lr="optimizer",
         )
+        if persistent:
+            self.fine_tune_momentum = momentum_buffers(opt, model)
         return cpu_state(model)
 
     def _server_bn_sums(self, weights: dict[str, torch.Tensor]) -> BNSums:
@@ -484,6 +532,7 @@ class SemiFL(GlobalModelAlgorithm):
         super().setup()
         self.base_state: dict[str, torch.Tensor] = self.global_state
         self.momentum_buffer: dict[str, torch.Tensor] = {}
+        self.fine_tune_momentum: dict[str, torch.Tensor] = {}  # persistent_optimizer: the fine-tune SGD's buffers
         self.param_keys = {name for name, _ in self.model_fn().named_parameters()}
         self._server_sums: BNSums = {}
         self._parallel_state: dict[str, torch.Tensor] | None = None
@@ -541,12 +590,14 @@ class SemiFL(GlobalModelAlgorithm):
             **super().state_dict(),
             "base_state": dict(self.base_state),
             "momentum_buffer": dict(self.momentum_buffer),
+            "fine_tune_momentum": dict(self.fine_tune_momentum),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.base_state = state["base_state"]
         self.momentum_buffer = state["momentum_buffer"]
+        self.fine_tune_momentum = state.get("fine_tune_momentum", {})
 
     # ---- client ----------------------------------------------------------------------------
     def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
@@ -558,9 +609,9 @@ class SemiFL(GlobalModelAlgorithm):
         gen = ctx.generator(data.client_id)
         extras = self._sbn_extras(model, pipeline, data)
         if self.config.pseudo_labels == "global":
-            metrics, trained = self._train_global_labels(model, pipeline, data, gen, ctx)
+            metrics, trained = self._train_global_labels(model, pipeline, data, gen, ctx, state)
         else:
-            metrics, trained = self._train_batch_labels(model, pipeline, data, gen, ctx)
+            metrics, trained = self._train_batch_labels(model, pipeline, data, gen, ctx, state)
         if not trained:
             return Message(extras={"metrics": metrics})
         extras["metrics"] = metrics
@@ -587,7 +638,7 @@ class SemiFL(GlobalModelAlgorithm):
         jobs: list[LocalJob] = []
         pending: list[tuple[int, int, dict[str, Any], dict[str, Any]]] = []
         model = None
-        for k, (msg, data, _) in work.items():
+        for k, (msg, data, state) in work.items():
             if data.num_unlabeled == 0:
                 continue
             model = self.scratch_model(msg.weights, ctx.device)
@@ -598,12 +649,14 @@ class SemiFL(GlobalModelAlgorithm):
             if sets is None:
                 replies[k] = Message(extras={"metrics": metrics})
                 continue
-            jobs.append(self._fix_mix_job(msg, data, sets, pipeline, gen, ctx))
+            jobs.append(self._fix_mix_job(msg, data, sets, pipeline, gen, ctx, state))
             pending.append((k, data.num_unlabeled, metrics, extras))
         if jobs:
             for (k, n, metrics, extras), res in zip(
                 pending, run_stacked(jobs, model, self.train, ctx.round_idx, max_stack)
             ):
+                if self.config.persistent_optimizer:
+                    work[k][2]["momentum"] = res.momentum
                 metrics.update(res.metrics)
                 metrics["local_steps"] = float(self.train.local_steps)
                 replies[k] = Message(weights=res.weights, num_samples=n, extras={**extras, "metrics": metrics})
@@ -617,6 +670,7 @@ class SemiFL(GlobalModelAlgorithm):
         pipeline: InputPipeline,
         gen: torch.Generator,
         ctx: ClientContext,
+        state: dict[str, Any],
     ) -> LocalJob:
         """A client's T fix + mix steps (:meth:`_global_label_steps`) as a job for the stacked path."""
         steps = self._global_label_steps(pipeline, data, sets, gen)
@@ -639,6 +693,7 @@ class SemiFL(GlobalModelAlgorithm):
             draw=draw,
             loss=FixMixLoss(self.config.loss_lambda),
             steps=self.train.local_steps,
+            momentum=state.get("momentum", {}) if self.config.persistent_optimizer else {},
             nesterov=self.config.nesterov and self.train.momentum > 0,
             clip_norm=self.config.clip_norm,
             lr=self.round_lr(ctx.round_idx),
@@ -706,11 +761,19 @@ class SemiFL(GlobalModelAlgorithm):
         batches: Iterable[Any],
         ctx: ClientContext,
         party: str,
+        state: dict[str, Any],
     ) -> dict[str, float]:
-        """Client SGD (Nesterov, the round's rate, clipped gradients) over ``batches``."""
+        """Client SGD (Nesterov, the round's rate, clipped gradients) over ``batches``; with
+        ``persistent_optimizer`` continuing the momentum buffers in ``state`` and saving them back."""
         model.train()
-        phase = Phase(self.make_sgd(model, self.round_lr(ctx.round_idx)), step, clip_norm=self.config.clip_norm)
-        return run_steps(phase, batches, self.train, ctx.round_idx, party, lr="optimizer", count_as="local_steps")
+        opt = self.make_sgd(model, self.round_lr(ctx.round_idx))
+        if self.config.persistent_optimizer:
+            load_momentum_buffers(opt, model, state.get("momentum", {}))
+        phase = Phase(opt, step, clip_norm=self.config.clip_norm)
+        metrics = run_steps(phase, batches, self.train, ctx.round_idx, party, lr="optimizer", count_as="local_steps")
+        if self.config.persistent_optimizer:
+            state["momentum"] = momentum_buffers(opt, model)
+        return metrics
 
     def _train_global_labels(
         self,
@@ -719,6 +782,7 @@ class SemiFL(GlobalModelAlgorithm):
         data: ClientData,
         gen: torch.Generator,
         ctx: ClientContext,
+        state: dict[str, Any],
     ) -> tuple[dict[str, float], bool]:
         """Pseudo-label once with the received model (Eq. 2-4), then train on fix + mix."""
         metrics, sets = self._global_labels(model, pipeline, data, gen)
@@ -730,7 +794,7 @@ class SemiFL(GlobalModelAlgorithm):
             return self._loss(model, x_strong, x_weak, y_fix, y_mix, lam)
 
         steps = self._global_label_steps(pipeline, data, sets, gen)
-        metrics.update(self._train(model, step, steps, ctx, client_party(data.client_id)))
+        metrics.update(self._train(model, step, steps, ctx, client_party(data.client_id), state))
         return metrics, True
 
     def _global_labels(
@@ -799,6 +863,7 @@ class SemiFL(GlobalModelAlgorithm):
         data: ClientData,
         gen: torch.Generator,
         ctx: ClientContext,
+        state: dict[str, Any],
     ) -> tuple[dict[str, float], bool]:
         """Table 2 ablation: pseudo-label each batch with the model being trained."""
         bs = self.train.batch_size
@@ -823,7 +888,7 @@ class SemiFL(GlobalModelAlgorithm):
             )
             return Step(out.loss, out.metrics, pseudo=sets.pseudo, truth=data.labels[b])  # pooled into pseudo_acc
 
-        trained = self._train(model, step, batches, ctx, client_party(data.client_id))
+        trained = self._train(model, step, batches, ctx, client_party(data.client_id), state)
         metrics: dict[str, float] = {"mask_rate": kept / max(seen, 1)}
         if not trained["local_steps"]:
             return metrics, False

@@ -6,17 +6,39 @@ drawn on the CPU from the ``torch.Generator`` passed in, then moved to the input
 same generator state gives the same output on any device (up to floating-point differences of
 the device's kernels).
 
-Strong augmentation follows FixMatch's RandAugmentMC, the strong view of the SSFL benchmark
-authors' code (ALGORITHMS.md section 1): weak augmentation, then ``num_ops`` ops per sample drawn
-from :data:`OP_NAMES` with replacement, each applied with probability ``op_prob`` (0.5) at an
-integer magnitude ``v`` uniform in ``[1, magnitude)`` (numpy's ``randint(1, m)``: 1..9 of 10),
-then a cutout square of a fixed side (16 px at 32x32, 7 px at 28x28) filled with grey.
+Strong augmentation follows FixMatch's RandAugmentMC (``fixmatch_augment_pool``), the strong view
+of the SSFL benchmark authors' code (docs/algorithms.md): weak augmentation, then ``num_ops`` ops
+per sample drawn from :data:`OP_NAMES` with replacement, each applied with probability ``op_prob``
+(0.5) at an integer magnitude ``v`` uniform in ``[1, magnitude)`` (numpy's ``randint(1, m)``: 1..9
+of 10), then a grey cutout square (``CutoutAbs`` of 16 px at 32x32, 7 px at 28x28). As
+RandAugmentMC does it:
+
+* Brightness, Color, Contrast and Sharpness blend with the factor ``0.05 + 0.9 v / 10`` (its
+  ``max_v = 0.9, bias = 0.05``; 0.14 to 0.86);
+* ShearX / ShearY are PIL's affine ``(1, s, 0, 0, 1, 0)`` / ``(1, 0, 0, s, 1, 0)``: the shear is
+  about the image's top-left corner (pixel coordinates from the corner), not its centre;
+  Rotate turns about the centre and TranslateX / Y shift by ``0.3 v / 10`` of the side;
+* the cutout is PIL's ``ImageDraw.rectangle((x0, y0, x0 + v, y0 + v))``, whose corners are both
+  inclusive: a square of ``v + 1`` pixels a side (17 at 32x32, 8 at 28x28), clipped at the far
+  border.
 
 Deviations from RandAugmentMC (PIL on one image at a time), all small:
 
 * ops run on float tensors, batched; Equalize approximates PIL's table (see :func:`_equalize`);
-* geometric ops sample bilinearly (PIL: nearest) and fill with black like PIL's defaults;
-* the cutout square is placed by an integer centre (PIL: a float corner), same side and clipping.
+* geometric ops sample bilinearly (PIL: nearest) and fill with black like PIL's defaults; the
+  corner shear assumes square images (every dataset here; on an H x W image PIL's shift is
+  ``s H / W`` of the half-width);
+* the cutout's corner is ``max(0, c - v // 2)`` for an integer centre c uniform over the rows
+  (columns); PIL's is ``int(max(0, u - v / 2))`` for a float u uniform in ``[0, H)``: the same
+  distribution for even v, for odd v the first and last corners differ by half a pixel's share.
+
+Other strong views. FedMatch's authors make theirs with their own RandAugment at a random
+magnitude in [2, 5] and no cutout (Jeong et al. A.1), SemiFL's authors with a different pool
+(Invert and a 40 px CutoutConst among the ops, enhancement ``0.1 + 1.8 m / 10`` at the fixed
+m = 10, each op applied with a probability drawn from U(0.2, 0.8)). Neither is implemented: every
+algorithm here takes this RandAugmentMC view, which is stronger than FedMatch's (declared in
+:mod:`fedml_ssfl.algorithms.fedmatch` and :mod:`fedml_ssfl.algorithms.fedssl_baselines`) and
+differs from SemiFL's (declared in :mod:`fedml_ssfl.algorithms.semifl`).
 """
 
 from __future__ import annotations
@@ -49,7 +71,7 @@ _MAX_LEVEL = 10.0
 _MAX_ROTATE_DEG = 30.0
 _MAX_SHEAR = 0.3
 _MAX_TRANSLATE = 0.3  # fraction of the image size
-_ENHANCE_MAX, _ENHANCE_BIAS = 0.95, 0.05  # fixmatch_augment_pool: factor 0.05 + 0.95 v / 10, in [0.145, 0.905]
+_ENHANCE_MAX, _ENHANCE_BIAS = 0.9, 0.05  # fixmatch_augment_pool: factor 0.05 + 0.9 v / 10, in [0.14, 0.86]
 _GREY = 127.0 / 255.0  # RandAugmentMC's cutout colour (127, 127, 127)
 _FILL = 0.0  # what PIL's rotate / affine transform put outside the image
 
@@ -209,7 +231,7 @@ def _blend(x: torch.Tensor, base: torch.Tensor, factor: torch.Tensor) -> torch.T
 
 
 def _enhance_factor(level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """RandAugmentMC's enhancement factor ``0.05 + 0.95 level`` (no direction: always below 1)."""
+    """RandAugmentMC's enhancement factor ``0.05 + 0.9 level`` (no direction: always below 1)."""
     return _ENHANCE_BIAS + _ENHANCE_MAX * level
 
 
@@ -319,21 +341,27 @@ _ROTATE, _SHEAR_X, _SHEAR_Y, _TRANSLATE_X, _TRANSLATE_Y = (OP_NAMES.index(name) 
 
 def _warp_thetas(op_ids: torch.Tensor, level: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
     """Per-sample 2x3 matrices (CPU, output -> input, normalised coordinates) of geometric ops:
-    rotation by ``sign 30 level`` degrees, shear by ``sign 0.3 level``, translation by ``sign 0.3
-    level`` of the side (RandAugmentMC's ranges). ``op_ids`` (M,) holds one geometric op id per sample."""
+    rotation by ``sign 30 level`` degrees about the centre, shear by ``s = sign 0.3 level`` about the
+    top-left corner, translation by ``sign 0.3 level`` of the side (RandAugmentMC's ranges and PIL's
+    transforms). ``op_ids`` (M,) holds one geometric op id per sample.
+
+    PIL's ShearX maps output pixel coordinates (from the corner) ``(x, y)`` to input ``(x + s y, y)``;
+    in normalised coordinates (``-1`` at the corner's edge) that is ``x' = x + s y + s`` on a square
+    image: the matrix ``[[1, s, s], [0, 1, 0]]`` (ShearY: ``[[1, 0, 0], [s, 1, s]]``)."""
     angle = torch.deg2rad(sign * _MAX_ROTATE_DEG * level)
     rotate, zero, one = op_ids == _ROTATE, torch.zeros(()), torch.ones(())
     shear, shift = sign * _MAX_SHEAR * level, 2.0 * sign * _MAX_TRANSLATE * level
+    shear_x, shear_y = op_ids == _SHEAR_X, op_ids == _SHEAR_Y
     cos, sin = torch.where(rotate, torch.cos(angle), one), torch.where(rotate, torch.sin(angle), zero)
     neg_sin = torch.where(rotate, -torch.sin(angle), zero)  # not -sin: no -0.0 where nothing rotates
     theta = torch.stack(
         [
             cos,
-            torch.where(op_ids == _SHEAR_X, shear, neg_sin),
-            torch.where(op_ids == _TRANSLATE_X, shift, zero),
-            torch.where(op_ids == _SHEAR_Y, shear, sin),
+            torch.where(shear_x, shear, neg_sin),
+            torch.where(op_ids == _TRANSLATE_X, shift, torch.where(shear_x, shear, zero)),  # corner shear
+            torch.where(shear_y, shear, sin),
             cos,
-            torch.where(op_ids == _TRANSLATE_Y, shift, zero),
+            torch.where(op_ids == _TRANSLATE_Y, shift, torch.where(shear_y, shear, zero)),
         ],
         dim=1,
     )
@@ -480,21 +508,23 @@ def sample_ops(
 
 
 def default_cutout(height: int) -> int:
-    """The cutout side in pixels for ``height``-pixel images: RandAugmentMC's 16 at 32x32 (H / 2),
-    the SSFL benchmark authors' 7 at 28x28 (H / 4); H / 2 from 32 up, H / 4 below."""
+    """The cutout size v for ``height``-pixel images (``CutoutAbs``'s argument; the filled square is
+    v + 1 pixels a side): RandAugmentMC's 16 at 32x32 (H / 2), the SSFL benchmark authors' 7 at 28x28
+    (H / 4); H / 2 from 32 up, H / 4 below."""
     return height // 2 if height >= 32 else height // 4
 
 
 def apply_cutout(x: torch.Tensor, sides: torch.Tensor, centres: torch.Tensor, fill: float = _GREY) -> torch.Tensor:
-    """Fill one square per sample with ``fill``: corner at ``centre - side // 2`` (at least 0), clipped
-    at the far border.
+    """Fill one square per sample with ``fill``: corner at ``centre - side // 2`` (at least 0), the far
+    corner ``side`` pixels on, both inclusive as PIL's ``ImageDraw.rectangle`` draws them (``side + 1``
+    pixels a side), clipped at the far border.
 
     Parameters
     ----------
     x : torch.Tensor
         ``(N, C, H, W)``.
     sides : torch.Tensor
-        int64 ``(N,)`` square sides in pixels (0: no cutout).
+        int64 ``(N,)`` the cutout sizes v in pixels (PIL's square of ``v + 1`` pixels; 0: no cutout).
     centres : torch.Tensor
         int64 ``(N, 2)`` (row, column) centres.
     fill : float
@@ -515,8 +545,9 @@ def _cutout_mask(h: int, w: int, sides: torch.Tensor, centres: torch.Tensor) -> 
     left = (centres[:, 1] - sides // 2).clamp_min(0)  # the far side at the border
     rows = torch.arange(h, device=sides.device).view(1, h)
     cols = torch.arange(w, device=sides.device).view(1, w)
-    in_rows = (rows >= top[:, None]) & (rows < (top + sides)[:, None])  # (N, H)
-    in_cols = (cols >= left[:, None]) & (cols < (left + sides)[:, None])  # (N, W)
+    far = (sides > 0)[:, None]  # PIL's rectangle includes both corners: v + 1 pixels; v = 0 draws nothing here
+    in_rows = (rows >= top[:, None]) & (rows <= (top + sides)[:, None]) & far  # (N, H)
+    in_cols = (cols >= left[:, None]) & (cols <= (left + sides)[:, None])  # (N, W)
     return (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)
 
 
@@ -571,8 +602,9 @@ def strong_augment(
     Each sample draws ``num_ops`` ops from :data:`OP_NAMES` (with replacement); each drawn op is
     applied with probability ``op_prob`` at an integer magnitude uniform in ``[1, magnitude)``
     (out of 10) with a random direction; the batch is processed op type by op type, each op
-    applied at once to the samples that drew it. Then a grey (127/255) square of side ``cutout``
-    pixels is cut out around a uniform random centre, clipped at the border.
+    applied at once to the samples that drew it. Then a grey (127/255) square is cut out around a
+    uniform random centre, ``cutout + 1`` pixels a side as PIL's inclusive rectangle, clipped at the
+    border.
 
     Parameters
     ----------
@@ -589,7 +621,8 @@ def strong_augment(
     op_prob : float
         Probability of applying each drawn op (0.5; 1 applies every op).
     cutout : int, optional
-        Cutout side in pixels; default :func:`default_cutout` of H; 0 disables cutout.
+        Cutout size v in pixels (PIL's square of v + 1 pixels); default :func:`default_cutout` of H;
+        0 disables cutout.
     pad : int, optional
         Shift range of the weak stage (default ``H // 8``).
     return_ops : bool

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .. import seeding
-from ..algorithms.base import Algorithm, Message, message_nbytes
+from ..algorithms.base import Algorithm, ClientContext, Message, message_nbytes
 from ..algorithms.registry import get_algorithm
 from ..atomic import folder_error, make_folder
 from ..checkpoint import CheckpointError, save_checkpoint
@@ -381,17 +381,24 @@ def server_records_payload(
 
 @dataclass
 class RoundStart:
-    """The server's first half of a round: who takes part and what each is sent."""
+    """The server's first half of a round: who takes part and what each is sent.
+
+    ``listeners``: for an algorithm that :meth:`~..algorithms.base.Algorithm.broadcasts_to_all`, the
+    message each client *not* sampled receives this round (empty otherwise); counted in
+    ``bytes_down`` like the sampled clients' messages.
+    """
 
     round_idx: int
     chosen: list[int]
     messages: dict[int, Message]
     bytes_down: int
     t0: float
+    listeners: dict[int, Message] = field(default_factory=dict)
 
 
 def start_round(exp: Experiment, r: int) -> RoundStart:
-    """Sample the round's clients, run the server step, build one message per chosen client."""
+    """Sample the round's clients, run the server step, build one message per chosen client (and,
+    when the algorithm broadcasts to all, one per other client)."""
     cfg, algo = exp.config, exp.algorithm
     t0 = time.perf_counter()
     chosen = sample_clients(
@@ -403,8 +410,31 @@ def start_round(exp: Experiment, r: int) -> RoundStart:
     with seeding.global_stream(cfg.common_args.random_seed, "server", r, device=exp.device):
         algo.server_step(r)
         messages = {k: algo.message_for(k, r) for k in chosen}
-    down = sum(message_nbytes(m) for m in messages.values())
-    return RoundStart(round_idx=r, chosen=chosen, messages=messages, bytes_down=down, t0=t0)
+        listeners = {}
+        if algo.broadcasts_to_all():
+            sampled = set(chosen)
+            listeners = {
+                k: algo.message_for(k, r) for k in range(cfg.train_args.client_num_in_total) if k not in sampled
+            }
+    down = sum(message_nbytes(m) for m in (*messages.values(), *listeners.values()))
+    return RoundStart(round_idx=r, chosen=chosen, messages=messages, bytes_down=down, t0=t0, listeners=listeners)
+
+
+def deliver_to_listeners(
+    exp: Experiment, start: RoundStart, client_states: MutableMapping[int, dict], data_of: Any = None
+) -> None:
+    """Every client not sampled receives its message of the round (:attr:`RoundStart.listeners`):
+    :meth:`~..algorithms.base.Algorithm.run_client_receive` on its state, in client order, each under
+    the (seed, client, round, client) stream as a client update is. ``data_of(k)``: the client's data
+    (default ``exp.client_data(k, round)``). The local simulator and the pooled FedML server call this."""
+    algo, r = exp.algorithm, start.round_idx
+    ctx = ClientContext(round_idx=r, device=exp.device, seed=exp.config.common_args.random_seed)
+    for k in sorted(start.listeners):
+        state = client_states[k]
+        data = data_of(k) if data_of is not None else exp.client_data(k, r)
+        with seeding.global_stream(ctx.seed, "client", r, k, device=exp.device):
+            algo.run_client_receive(start.listeners[k], data, state, ctx)
+        client_states[k] = state  # a bounded store may have spilled it since it was read (client_state.py)
 
 
 def finish_round(

@@ -33,6 +33,7 @@ from .common import (
     RunFailed,
     RunRecorder,
     RunResult,
+    deliver_to_listeners,
     finish_round,
     fresh_run_dir,
     mean_client_metrics,
@@ -143,15 +144,17 @@ def run_round(exp: Experiment, r: int, client_states: MutableMapping[int, dict])
     if cfg.train_args.stack_clients:
         work = {k: (start.messages[k], exp.client_data(k, r), client_states[k]) for k in start.chosen}
         with seeding.global_stream(ctx.seed, "client", r, "stacked", device=exp.device):
-            replies = algo.client_updates_stacked(work, ctx, cfg.train_args.stack_size)
+            replies = algo.run_client_updates_stacked(work, ctx, cfg.train_args.stack_size)
         for k, (_, _, state) in work.items():
             client_states[k] = state  # a bounded store may have spilled it since it was read (client_state.py)
+        deliver_to_listeners(exp, start, client_states)
         return finish_round(exp, start, replies, sum(message_nbytes(m) for m in replies.values()))
     up = 0
     replies: dict[int, Message] = {}
     for k in start.chosen:
         with seeding.global_stream(ctx.seed, "client", r, k, device=exp.device):
-            reply = algo.client_update(start.messages[k], exp.client_data(k, r), client_states[k], ctx)
+            reply = algo.run_client_update(start.messages[k], exp.client_data(k, r), client_states[k], ctx)
         up += message_nbytes(reply)
         replies[k] = reply
+    deliver_to_listeners(exp, start, client_states)  # the clients not sampled receive the round's model too
     return finish_round(exp, start, replies, up)

@@ -17,10 +17,14 @@ left out of the supervised loss, with ``alpha_t`` = t (linear), ``1 - exp(-5 t)`
 ``exp(5 (t - 1))`` (exp). The FedMatch authors (Jeong et al. 2021, Sec. A.1) ran their UDA baseline
 with the exp schedule.
 
-Deviations: UDA's code keeps samples whose confidence is strictly above beta and computes the
-target on the un-augmented image; here the mask is ``>= beta`` (as for FixMatch's tau) and the
-target comes from the weakly augmented view alpha(u) (flip-and-shift), which the federated
-baselines also feed FixMatch.
+Which view gives the target is the caller's: :func:`uda_loss` takes the logits of that view. The
+federated and local baselines (:mod:`fedml_ssfl.algorithms.fedssl_baselines`) feed the original,
+un-augmented image by default (``weak_view: plain``: UDA's own code, and FedMatch's A.1, "we use
+original images rather than weakly augmenting the images"), or the weak view alpha(u)
+(flip-and-shift) with ``weak_view: weak``.
+
+Deviation: UDA's code keeps samples whose confidence is strictly above beta; here the mask is
+``>= beta`` (as for FixMatch's tau).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ class Task:
     train : bool
         Run the client update (False: a deployed silo not sampled this round stays idle).
     msg : Message or None
-        The algorithm's message to this client.
+        The algorithm's message to this client; with ``train`` False, the message a deployed silo not
+        sampled receives when the algorithm broadcasts to every client (else None).
     state, state_tag : dict or None, int
         Pooled workers: the silo's client state when this rank does not hold its newest copy, and
         the round that copy was last updated in (-1: never).

@@ -18,6 +18,7 @@ from ..common import (
     RunFailed,
     RunRecorder,
     RunResult,
+    deliver_to_listeners,
     finish_round,
     is_checkpoint_round,
     run_client_states,
@@ -157,15 +158,20 @@ class ServerRuntime:
         start = start_round(self.exp, r)
         if sorted(plan) != start.chosen:
             raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r + 1}")
+        if start.listeners:
+            self._deliver_on_server(start)
         after = dict(self.holder)
         after.update({k: i + 1 for i, k in enumerate(plan)})
         stale_after = self.stale | set(plan)
         nxt = self.plan(r + 1, holder=after) if r + 1 < self.end else []
         checkpoint = is_checkpoint_round(self.cfg, r, self.end)
+        # an algorithm that broadcasts to every client has the silos not sampled receive on the server,
+        # which therefore needs every silo's newest state after each round: every trained state comes back
+        everyone = self.exp.algorithm.broadcasts_to_all()
         uploads: dict[int, list[int]] = {w: [] for w in range(1, self.workers + 1)}
         for j in sorted(stale_after):
             w = after[j]
-            if checkpoint or (j in nxt and nxt.index(j) + 1 != w):
+            if checkpoint or everyone or (j in nxt and nxt.index(j) + 1 != w):
                 uploads[w].append(j)
         payloads, state_down = {}, 0
         for i, k in enumerate(plan):
@@ -190,6 +196,26 @@ class ServerRuntime:
         self.awaiting = {i + 1: k for i, k in enumerate(plan)}
         self.round_started = time.monotonic()
         return payloads
+
+    def _deliver_on_server(self, start: RoundStart) -> None:
+        """The silos not sampled receive the round's message here, on the server's copy of their state.
+
+        Pooled workers are a simulation: any process can play a silo. The server holds every silo's
+        newest state (each trained state is uploaded after its round when the algorithm broadcasts to
+        all), folds the message in (:func:`~..common.deliver_to_listeners`, as the local simulator does),
+        and so holds a newer state than any worker's cache: the worker that cached one forgets it, and
+        the silo's state goes down with its next task.
+        """
+        r = start.round_idx
+        missing = sorted(set(start.listeners) & self.stale)
+        if missing:
+            raise RuntimeError(f"round {r + 1}: the newest states of silos {missing} are not on the server")
+        deliver_to_listeners(self.exp, start, self.client_states)
+        for k in start.listeners:
+            old = self.holder.pop(k, None)
+            if old is not None:
+                self.drop[old].add(k)
+            self.tags[k] = r
 
     def finish_round(self, uploads: list[Reply | Failure], **extra: Any) -> dict[str, Any]:
         """Fold the workers' uploads into the algorithm; record the round; advance."""
@@ -309,7 +335,8 @@ class DeployedServerRuntime(ServerRuntime):
 
     Every round every silo gets a payload: the sampled ones the algorithm's message, the others an
     ``idle`` note (so that all of them keep step, answer liveness, and save their state at checkpoint
-    rounds). The first payload to each rank also carries the metadata the silo checks its data
+    rounds), which carries the round's message for them to receive when the algorithm broadcasts to
+    every client (FedSEAL). The first payload to each rank also carries the metadata the silo checks its data
     against and builds its model from. The server's checkpoint holds no client state: each silo
     saves its own (:class:`SiloWorker`).
     """
@@ -343,7 +370,7 @@ class DeployedServerRuntime(ServerRuntime):
                 silo=k,
                 rank=k + 1,
                 train=k in start.messages,
-                msg=start.messages.get(k),
+                msg=start.messages.get(k, start.listeners.get(k)),  # a listener: the message to receive
                 checkpoint=checkpoint,
                 intro=intro,
             )

@@ -93,10 +93,19 @@ def worker_state_cache(cfg: ExperimentConfig, rank: int) -> MutableMapping[int, 
 
 
 def _client_update(exp: Experiment, msg: Any, silo: int, r: int, state: dict[str, Any]) -> Any:
-    """The algorithm's client update for ``silo`` in round ``r``, under the (seed, client, r, silo) stream."""
+    """The algorithm's client update for ``silo`` in round ``r`` (``run_client_update``: the idle-client
+    control applies), under the (seed, client, r, silo) stream."""
     ctx = ClientContext(round_idx=r, device=exp.device, seed=exp.config.common_args.random_seed)
     with seeding.global_stream(ctx.seed, "client", r, silo, device=exp.device):
-        return exp.algorithm.client_update(msg, exp.client_data(silo, r), state, ctx)
+        return exp.algorithm.run_client_update(msg, exp.client_data(silo, r), state, ctx)
+
+
+def _client_receive(exp: Any, msg: Any, silo: int, r: int, state: dict[str, Any]) -> None:
+    """A silo not sampled in round ``r`` receives the round's message (``run_client_receive``), under the
+    same (seed, client, r, silo) stream as the local simulator's delivery."""
+    ctx = ClientContext(round_idx=r, device=exp.device, seed=exp.config.common_args.random_seed)
+    with seeding.global_stream(ctx.seed, "client", r, silo, device=exp.device):
+        exp.algorithm.run_client_receive(msg, exp.client_data(silo, r), state, ctx)
 
 
 def _failure(r: int, silo: int, rank: int, exc: Exception) -> Failure:
@@ -261,6 +270,8 @@ class SiloWorker:
             reply = Reply(r, self.silo, self.rank, trained=task.train)
             if task.train:
                 reply.msg = _client_update(self.exp, task.msg, self.silo, r, self.state)
+            elif task.msg is not None:  # not sampled, but the algorithm broadcasts to every client
+                _client_receive(self.exp, task.msg, self.silo, r, self.state)
             if task.checkpoint:
                 self.save(r)
             self.answered = (r, reply)
