@@ -24,6 +24,7 @@ from ..common import (
     discard_unwritten,
     fresh_run_dir,
 )
+from .diagnose import check_own_certificate
 from .launch import (
     _fedml_offline,
     _with_device,
@@ -90,7 +91,12 @@ def run_fedml(
     else:
         rank, table = grpc_rank(cfg, rank, role)
         peers = [ip for ip, _ in table.values()]
-        security = load_security(cfg, rank)
+        security = load_security(cfg, rank, table)
+        if security.tls is not None:
+            host = table[rank][0]
+            name = security.tls.server_name or host
+            if name not in ("0.0.0.0", "::", ""):
+                check_own_certificate(security.tls, name, rank)
         check_port_free(rank, *table[rank])
     claimed = None  # a new run folder: removed on an error before anything was written into it
     try:
@@ -112,7 +118,8 @@ def run_fedml(
             meter.message_class = FedMessage
             args = fedml_args(cfg, rank)
             args.comm, args.ssfl_grpc_table, args.ssfl_security = comm, table, security
-            args.ssfl_membership, args.ssfl_job = membership(cfg), cfg.common_args.run_id
+            args.ssfl_membership = membership(cfg)
+            args.ssfl_job = security.job if security is not None else cfg.common_args.run_id
             with contextlib.redirect_stdout(io.StringIO()):
                 args = fedml.init(args, check_env=False, should_init_logs=False)
             if backend == "MPI":
@@ -191,7 +198,6 @@ def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, back
 
     from . import managers
     from .hooks import SSFLTrainer
-    from .transports import DeliveryError
 
     if isinstance(worker, SiloWorker):
         silos, counts, model, device = {worker.silo: worker.silo}, {worker.silo: 0}, torch.nn.Identity(), "cpu"
@@ -204,12 +210,11 @@ def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, back
     trainer = SSFLTrainer(model, args, worker)
     adapter = TrainerDistAdapter(args, device, rank, model, sum(counts.values()), counts, silos, silos, trainer)
     manager = managers.SSFLClientManager(args, adapter, meter, limits, comm, rank, workers, backend)
-    try:
-        manager.run()
-    except DeliveryError as exc:  # the server is gone, or refused this process's messages
-        raise RunFailed(str(exc)) from None
+    manager.run()
     if manager.refusal:
         raise ConfigError(f"rank {rank}: the server refused this process: {manager.refusal}")
+    if manager.failure:  # the run failed (here, or on the server, which said why): exit non-zero
+        raise RunFailed(f"rank {rank}: {manager.failure}")
 
 
 def _install_terminate_handler(handler):
