@@ -112,7 +112,7 @@ class Outbox:
         self.last_cause = Cause("")
         self.lasting_cause = Cause("")
         self.last_ok = 0.0
-        self._diagnosed = 0.0
+        self._diagnosed, self._diagnosed_for = 0.0, ""
         self._thread = threading.Thread(target=self._run, name=f"ssfl-outbox-{peer}", daemon=True)
         self._thread.start()
 
@@ -217,9 +217,11 @@ class Outbox:
             pause = min(pause * 2, MAX_PAUSE)
 
     def _cause(self, error: SendError, now: float) -> Cause:
-        """The failure in words: gRPC's code, refined by a diagnosis of the peer (at most every 30 s)."""
-        if now - self._diagnosed >= DIAGNOSE_EVERY or not self.last_cause.text:
-            self._diagnosed = now
+        """The failure in words: gRPC's code, refined by a diagnosis of the peer (again when gRPC's
+        account of the failure changes, else at most every 30 s)."""
+        seen = f"{error.code}: {error.details}"
+        if now - self._diagnosed >= DIAGNOSE_EVERY or not self.last_cause.text or seen != self._diagnosed_for:
+            self._diagnosed, self._diagnosed_for = now, seen
             found = self.diagnose()
             if found.lasting:
                 self.lasting_cause = found

@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 WATCHDOG = "ssfl_watchdog"
 CHALLENGES_KEPT = 4  # per worker, the newest challenges that may still be answered
+LINGER_BEATS = 3
+"""A process that fails before a peer joined keeps its port open this many heartbeat intervals, so
+that the peer, diagnosing it (a TLS mismatch), can name the cause too."""
 
 
 def is_finish(payload: Any) -> bool:
@@ -111,6 +114,7 @@ class SSFLServerManager(FedMLServerManager):
         self.runtime, self.meter, self.limits = runtime, meter, limits
         self.failing = False
         self.fail_time = 0.0
+        self.linger_until = 0.0  # after a failure, the port stays open this long for ranks that never joined
         self.dead: set[int] = set()
         self.finished: set[int] = set()
         self.refused: dict[int, str] = {}
@@ -273,6 +277,8 @@ class SSFLServerManager(FedMLServerManager):
         self._maybe_finish()
 
     def _maybe_finish(self):
+        if self.failing and time.monotonic() < self.linger_until:
+            return  # the watchdog finishes once the linger is over
         if set(self.client_real_ids) <= self.finished | self.dead:
             self.finish()
 
@@ -301,6 +307,8 @@ class SSFLServerManager(FedMLServerManager):
         for rank in self.client_real_ids:
             if self.grpc and self.com_manager.admitted(rank) is None:
                 self.dead.add(rank)  # never admitted: it cannot take a message of the run
+                # but it may be diagnosing this port (a TLS mismatch): stay up a moment, so it can say why
+                self.linger_until = self.fail_time + LINGER_BEATS * self.limits.heartbeat
             if rank in self.dead:
                 continue
             notice = FedMessage(MyMessage.MSG_TYPE_S2C_FINISH, 0, rank)
@@ -332,7 +340,8 @@ class SSFLServerManager(FedMLServerManager):
             self._maybe_finish()
             return
         self.dead.add(peer)
-        self.fail(f"round {self.runtime.round + 1}: could not deliver {label} to {self.describe_rank(peer)}: {cause}")
+        when = f"round {self.runtime.round + 1}: " if self.is_initialized else ""
+        self.fail(f"{when}could not deliver {label} to {self.describe_rank(peer)}: {cause}")
 
     def handle_watchdog(self, msg_params):
         action = msg_params.get("action")
@@ -345,6 +354,8 @@ class SSFLServerManager(FedMLServerManager):
         elif action == "check" and not self.failing:
             for rank in msg_params.get("ranks") or ():
                 self.check(int(rank))
+        elif action == "finish" and self.failing:
+            self._maybe_finish()
 
     def force_stop(self):
         """Workers did not acknowledge the stop in time: end without waiting for them."""
@@ -376,13 +387,16 @@ class SSFLServerManager(FedMLServerManager):
     def _watch(self):
         limits, rt = self.limits, self.runtime
         last_check = time.monotonic()
-        forced = reported = False
+        forced = reported = lingered = False
         while not self._stop.wait(0.5):
             now = time.monotonic()
             if self.failing:
-                if not forced and now - self.fail_time > limits.grace:
+                if not forced and now - self.fail_time > max(limits.grace, self.linger_until - self.fail_time):
                     forced = True
                     self._inject(action="force")
+                elif self.linger_until and now >= self.linger_until and not lingered:
+                    lingered = True
+                    self._inject(action="finish")
                 continue
             if reported:
                 continue
@@ -448,6 +462,7 @@ class SSFLClientManager(ClientMasterManager):
         self.refusal: str | None = None
         self.failure: str | None = None
         self.ending = False
+        self.linger_until = 0.0
         self.joined = False
         self.last_heard = time.monotonic()
         self.t_start = time.monotonic()
@@ -487,11 +502,12 @@ class SSFLClientManager(ClientMasterManager):
             self.fail_here(f"{type(exc).__name__}: {exc}")
 
     def fail_here(self, reason: str) -> None:
-        """End this worker: it exits with ``reason`` (after telling the server, when it can)."""
+        """End this worker: it exits with ``reason`` (or the failure it already found)."""
         if self.ending or self.refusal is not None:
             return
-        self.failure = self.failure or reason
-        log.error("rank %d: %s", self.rank, self.failure)
+        if self.failure is None:
+            self.failure = reason
+            log.error("rank %d: %s", self.rank, reason)
         self.finish()
 
     # -- the handshake --
@@ -606,16 +622,21 @@ class SSFLClientManager(ClientMasterManager):
                 self.hello()
             return
         host, port = self.com_manager.address(0)
-        self.fail_here(
-            f"could not deliver {msg_params.get('label')} to the server (rank 0) at {host}:{port}: "
-            f"{msg_params.get('cause')}"
-        )
+        label, cause = msg_params.get("label"), msg_params.get("cause")
+        reason = f"could not deliver {label} to the server (rank 0) at {host}:{port}: {cause}"
+        if not self.joined and self.failure is None:
+            # the server may be diagnosing this process too (a TLS mismatch): stay up a moment
+            self.failure = reason
+            log.error("rank %d: %s", self.rank, reason)
+            self.linger_until = time.monotonic() + LINGER_BEATS * self.limits.heartbeat
+            return
+        self.fail_here(reason)
 
     def handle_watchdog(self, msg_params):
         action = msg_params.get("action")
         if action == "fail":
             self.fail_here(msg_params.get("reason"))
-        elif action == "hello" and not self.ending:
+        elif action == "hello" and not self.ending and not self.linger_until:
             self.hello()
 
     def run(self):
@@ -650,6 +671,11 @@ class SSFLClientManager(ClientMasterManager):
                     os._exit(1)
                 continue
             idle = now - self.last_heard
+            if self.linger_until:
+                if now >= self.linger_until:
+                    told = now
+                    self._inject(action="fail", reason=self.failure)
+                continue
             if not self.joined:
                 if now - self.t_start > limits.connect:
                     cause = comm.cause_of(0)
