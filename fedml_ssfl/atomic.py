@@ -9,11 +9,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], prefix: str | None = None) -> Path:
+def atomic_write(
+    path: str | Path, write: Callable[[BinaryIO], None], prefix: str | None = None, durable: bool = False
+) -> Path:
     """Write ``path`` through ``write(fh)`` into a temporary file beside it, fsync, then rename.
 
     The parent folder is created if needed. If ``write`` raises (or the process is interrupted),
-    the temporary file is removed and ``path`` is untouched.
+    the temporary file is removed and ``path`` is untouched. With ``durable`` the folder is fsynced
+    after the rename too, so that the new file, not the old one, is there after a power loss (a
+    checkpoint that another process is told about: a silo's state before it answers the server).
 
     Parameters
     ----------
@@ -23,6 +27,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], prefix: st
         Writes the content to the binary file object it is given.
     prefix : str, optional
         The temporary file's name prefix (default ``<name>.``); it ends in ``.tmp``.
+    durable : bool
+        Also fsync the folder after the rename (where the file system allows it).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,7 +42,23 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], prefix: st
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        _fsync_folder(path.parent)
     return path
+
+
+def _fsync_folder(folder: Path) -> None:
+    """fsync a folder, so that a rename in it survives a power loss (skipped where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def make_folder(path: str | Path) -> Path:

@@ -56,10 +56,11 @@ def content_digest(obj: Any) -> str:
 
 
 def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename), with a content digest.
+    """Write ``payload`` to ``path`` atomically and durably (temporary file, fsync, rename, fsync of the folder),
+    with a content digest.
 
-    A crash mid-write leaves the previous checkpoint intact; temporary files that earlier killed
-    writes left beside ``path`` are removed first.
+    A crash mid-write leaves the previous checkpoint intact; once this returns, the new one survives
+    a power loss too. Temporary files that earlier killed writes left beside ``path`` are removed first.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,7 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
         stale.unlink(missing_ok=True)
     body = {"format": FORMAT_VERSION, **payload}
     body[DIGEST_KEY] = content_digest(body)
-    return atomic_write(path, lambda fh: torch.save(body, fh))
+    return atomic_write(path, lambda fh: torch.save(body, fh), durable=True)
 
 
 def load_checkpoint(

@@ -13,11 +13,17 @@ with ``torch.load(weights_only=True)`` (tensors and plain containers only; no ar
 file whose bytes do not hash to its name is refused with one line naming it.
 
 Checkpoints (:func:`client_state_payload`) keep the resident states inline and list the spilled ones
-by digest; their files are hard-linked (or copied) into the checkpoint's ``client_states/`` folder
-and fsynced before the checkpoint is renamed into place, and :func:`prune_state_files` removes the
-files the new checkpoint no longer names only after it is written. :func:`open_client_states`
-rebuilds the states from such a checkpoint. Without a budget the states are a plain ``dict``, as
-before: no overhead and the checkpoint layout unchanged.
+by digest; their files are hard-linked (or, across file systems, copied) into the checkpoint's
+``client_states/`` folder and fsynced before the checkpoint is renamed into place, and
+:func:`prune_state_files` removes the files the new checkpoint no longer names only after it is
+written. A spill file is verified (its bytes hashed against the digest in its name) as it is
+linked, and a copy is verified as it is copied, so a spill file damaged since it was written never
+reaches a checkpoint: the checkpoint is not written, the error names the file, and the previous
+checkpoint, whose files are not that file, stays good. Once linked, a file is the checkpoint's, and
+the store reads it from there (files a later checkpoint names again are not read again; every file
+is verified on every read and on resume). :func:`open_client_states` rebuilds the states from such a
+checkpoint. Without a budget the states are a plain ``dict``, as before: no overhead and the
+checkpoint layout unchanged.
 
 The same store keeps an algorithm's per-client records on the server side (its
 ``client_records``, e.g. FedMatch's ``views`` and ``client_psi``; :mod:`fedml_ssfl.runtime.common`):
@@ -67,7 +73,14 @@ _CHUNK = 1 << 20
 
 
 class ClientStateError(RuntimeError):
-    """A spilled or checkpointed client state file is missing, damaged or unreadable."""
+    """A spilled or checkpointed client state file is missing, damaged or unreadable.
+
+    ``path`` is the file (None when the error is about a folder, e.g. one that cannot be written).
+    """
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +149,8 @@ def _digest_of_file(path: Path) -> str:
 
 def _damaged(path: Path, what: str) -> ClientStateError:
     return ClientStateError(
-        f"client state file {path} {what}; it was left untouched. Resume from an intact checkpoint or start a new run."
+        f"client state file {path} {what}; it was left untouched. Resume from an intact checkpoint or start a new run.",
+        Path(path),
     )
 
 
@@ -200,27 +214,49 @@ def verify_state_file(path: Path) -> None:
 
 
 def _place(src: Path, folder: Path) -> tuple[Path, bool]:
-    """``src`` under ``folder`` (same name), hard-linked or else copied (and fsynced).
+    """``src``, verified, under ``folder`` (same name): hard-linked, or else copied (and fsynced).
 
-    Returns the new path and whether a link was made that still needs :func:`_fsync_all` (spill files
-    are written without fsync).
+    ``src``'s bytes are hashed against its name once linked, before any checkpoint can name the link
+    (a copy is hashed as it is copied), so a file damaged since it was written is refused
+    (:class:`ClientStateError` naming it) and its link or copy removed. A file of that name already
+    in ``folder`` (placed for an earlier checkpoint) is kept when it is intact, else replaced.
+    Returns the new path and whether a link was made that still needs an fsync (spill files are
+    written without one).
     """
     dst = folder / src.name
     if dst.exists():
-        return dst, False
+        try:
+            verify_state_file(dst)
+            return dst, False
+        except ClientStateError:
+            dst.unlink(missing_ok=True)  # damaged; src, verified below, takes its place
     try:
         os.link(src, dst)
     except FileExistsError:
         return dst, False
-    except OSError:  # another file system, or no hard links there: copy
-
-        def copy(out) -> None:
-            with open(src, "rb") as inp:
-                shutil.copyfileobj(inp, out, _CHUNK)
-
-        atomic_write(dst, copy)
+    except OSError:  # another file system, or no hard links there: copy, hashing what is copied
+        atomic_write(dst, lambda out: _copy_verified(src, out))
         return dst, False
+    try:  # the link is not named by any checkpoint yet: one read of the bytes, then it may be
+        verify_state_file(src)
+    except ClientStateError:
+        dst.unlink(missing_ok=True)
+        raise
     return dst, True
+
+
+def _copy_verified(src: Path, out: Any) -> None:
+    """Copy ``src`` into ``out``, hashing the bytes copied; :class:`ClientStateError` unless they hash to its name."""
+    sha = hashlib.sha256()
+    try:
+        with open(src, "rb") as inp:
+            while chunk := inp.read(_CHUNK):
+                sha.update(chunk)
+                out.write(chunk)
+    except OSError as exc:
+        raise _damaged(src, f"cannot be read ({exc.strerror or exc})") from None
+    if sha.hexdigest() != src.stem:
+        raise _damaged(src, "does not match the SHA-256 in its name (its bytes were damaged)")
 
 
 def _fsync(path: Path) -> None:
@@ -231,14 +267,24 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_all(paths: list[Path]) -> None:
-    """fsync ``paths`` (in threads: one after another costs a journal commit each, ~100x slower)."""
-    if len(paths) <= 1:
-        for p in paths:
-            _fsync(p)
+def _place_all(srcs: list[Path], folder: Path) -> None:
+    """:func:`_place` every file of ``srcs`` in ``folder`` and fsync the links made, before this returns.
+
+    In threads: hashing releases the GIL (the check runs on every core), and one fsync after
+    another costs a journal commit each (~100x slower). The first refusal is raised.
+    """
+
+    def place(src: Path) -> None:
+        path, needs_sync = _place(src, folder)
+        if needs_sync:
+            _fsync(path)
+
+    if len(srcs) <= 1:
+        for src in srcs:
+            place(src)
         return
-    with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
-        list(pool.map(_fsync, paths))
+    with ThreadPoolExecutor(max_workers=min(16, len(srcs))) as pool:
+        list(pool.map(place, srcs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,9 +392,14 @@ class ClientStateStore(MutableMapping):
     def checkpoint_entries(self, states_dir: str | Path) -> tuple[dict[int, Any], dict[int, str]]:
         """The states for a checkpoint: resident ones inline, spilled ones as digests of files in ``states_dir``.
 
-        Every spilled state's file is placed in ``states_dir`` (hard link, else copy; fsynced)
-        before this returns, so the checkpoint written next can name it. Call
+        Every spilled state's file is verified and placed in ``states_dir`` (hard link, else copy;
+        fsynced) before this returns, so the checkpoint written next can name it. Call
         :func:`prune_state_files` once that checkpoint is written.
+
+        Raises
+        ------
+        ClientStateError
+            A spill file was damaged since it was written (names it): write no checkpoint.
         """
         states_dir = Path(states_dir)
         states_dir.mkdir(parents=True, exist_ok=True)
@@ -356,17 +407,18 @@ class ClientStateStore(MutableMapping):
         inline: dict[int, Any] = dict(self._resident)
         inline.update({k: {} for k in self._fresh})
         files: dict[int, str] = {}
-        linked: list[Path] = []
+        moving: dict[str, Path] = {}  # digest -> the file to place (identical states share one)
         for key in sorted(self._files):
             folder, digest = self._files[key]
             if folder != states_dir:
-                placed, needs_sync = _place(self.file_of(key), states_dir)
-                if needs_sync:
-                    linked.append(placed)
+                moving.setdefault(digest, self.file_of(key))
+        _place_all(list(moving.values()), states_dir)  # verified, linked, durable: before anything changes here
+        for key in sorted(self._files):
+            folder, digest = self._files[key]
+            if folder != states_dir:
                 self._release(key)
                 self._hold(key, states_dir, digest)
             files[key] = digest
-        _fsync_all(linked)  # durable before the checkpoint that names them is renamed into place
         return inline, files
 
     def adopt(self, inline: Mapping[int, Any], files: Mapping[int, Path]) -> None:

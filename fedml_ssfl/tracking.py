@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .atomic import atomic_write
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -333,7 +335,8 @@ class RunTracker:
         self.tensorboard = tensorboard
         rows = read_metrics(self.metrics_path) if resume_after is not None else []
         self.rows = [r for r, n in zip(rows, round_numbers(rows)) if n <= (resume_after or 0)]
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
+        text = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
+        atomic_write(self.metrics_path, lambda fh: fh.write(text))  # a crash here keeps every saved row
         self._tb = None
         self._tb_due = tensorboard  # the writer is made at the first event written (see _writer)
         self._purge_step = resume_after + 1 if resume_after is not None else None

@@ -244,6 +244,48 @@ def test_a_checkpoint_naming_a_damaged_or_missing_file_is_refused_before_the_run
         open_client_states(range(2), None, None, payload, states_dir)
 
 
+def _damage_in_place(path) -> None:
+    """Flip one byte in the middle of ``path`` without replacing the file (same inode, as a disk error would)."""
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["linked", "copied"])
+def test_a_spill_file_damaged_before_a_checkpoint_never_reaches_it(tmp_path, monkeypatch, links) -> None:
+    import fedml_ssfl.client_state as client_state
+
+    if not links:
+        monkeypatch.setattr(client_state.os, "link", lambda src, dst: (_ for _ in ()).throw(OSError(18, "EXDEV")))
+    store = ClientStateStore(0, tmp_path / "spill")
+    for k in range(3):
+        store[k] = _state(k)
+    damaged = _spill_file(store, 1)
+    _damage_in_place(damaged)
+    states_dir = tmp_path / "ckpt" / STATES_DIR
+    with pytest.raises(ClientStateError) as err:
+        client_state_payload(store, states_dir)
+    text = str(err.value)
+    assert str(damaged) in text and "damaged" in text and "\n" not in text
+    assert not (states_dir / damaged.name).exists()  # the checkpoint's folder never got it
+    assert not list(states_dir.glob("*.tmp"))
+
+
+def test_a_damaged_copy_already_in_the_checkpoint_folder_is_replaced_by_the_intact_spill_file(tmp_path) -> None:
+    store = ClientStateStore(0, tmp_path / "spill")
+    store[0], store[1] = _state(0), _state(1)
+    spilled = _spill_file(store, 0)
+    states_dir = tmp_path / "ckpt" / STATES_DIR
+    states_dir.mkdir(parents=True)
+    stale = states_dir / spilled.name
+    stale.write_bytes(b"x" + spilled.read_bytes()[1:])  # an older, damaged copy under the same name
+    payload = client_state_payload(store, states_dir)
+    store.close()
+    assert_same_state(open_client_states(range(2), None, None, payload, states_dir), {0: _state(0), 1: _state(1)})
+
+
 def test_no_budget_is_a_plain_dict_and_the_old_checkpoint_layout(tmp_path) -> None:
     states = open_client_states(range(3), None, None)
     assert type(states) is dict and states == {0: {}, 1: {}, 2: {}}
@@ -423,6 +465,76 @@ def test_a_damaged_server_record_file_refuses_the_resume_naming_it(small_config,
     with pytest.raises(CheckpointError, match=f"client state file {path} does not match"):
         run_local(cfg, run_dir=tmp_path / "r", resume=True)
     assert not list((tmp_path / "r").glob(".server_records-*")) and not list((tmp_path / "r").glob(".client_states-*"))
+
+
+def _damage_between_rounds(monkeypatch, at: int, files) -> list:
+    """Make the local runtime damage ``files()`` in place at round ``at`` (0-based): after its client updates
+    when ``files`` are spill files (before the round's checkpoint), before them for checkpoint files."""
+    import fedml_ssfl.runtime.local as local
+
+    real, damaged = local.run_round, []
+
+    def run_round(exp, r, client_states):
+        if r == at and files.__name__ == "checkpoint_files":
+            damaged.extend(files())
+            for path in damaged:
+                _damage_in_place(path)
+        row = real(exp, r, client_states)
+        if r == at and files.__name__ == "spill_files":
+            damaged.extend(files())
+            for path in damaged:
+                _damage_in_place(path)
+        return row
+
+    monkeypatch.setattr(local, "run_round", run_round)
+    return damaged
+
+
+def test_a_spill_file_damaged_mid_run_stops_the_run_and_the_last_good_checkpoint_resumes(
+    small_config, tmp_path, monkeypatch
+) -> None:
+    from fedml_ssfl.runtime.common import RunFailed
+
+    args = ["ssfl_args.algorithm=fedseal", *ALGORITHMS["fedseal"], "train_args.client_num_in_total=3"]
+    args += ["train_args.client_num_per_round=2", "train_args.comm_round=3", f"device_args.state_memory_mb={TINY}"]
+    cfg = small_config(*args)
+    full = run_local(cfg, run_dir=tmp_path / "full")
+    run_dir = tmp_path / "r"
+
+    def spill_files():
+        return sorted(run_dir.glob(".client_states-*/*.pt"))
+
+    damaged = _damage_between_rounds(monkeypatch, 1, spill_files)
+    with pytest.raises(RunFailed) as err:
+        run_local(cfg, run_dir=run_dir)
+    text = str(err.value)
+    assert damaged and any(str(p) in text for p in damaged) and "\n" not in text, text
+    assert f"Last good checkpoint: {run_dir / 'checkpoints' / 'last.pt'}" in text, text
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["round"] == 0  # round 2 was never committed
+    monkeypatch.undo()
+    resumed = run_local(cfg, run_dir=run_dir, resume=True)  # the last good checkpoint really is good
+    assert resumed.final_acc == full.final_acc and _rows(run_dir) == _rows(tmp_path / "full")
+    assert_same_state(_final(run_dir)[1], _final(tmp_path / "full")[1], "client_states")
+
+
+def test_a_damaged_checkpoint_file_read_mid_run_is_not_called_a_good_checkpoint(
+    small_config, tmp_path, monkeypatch
+) -> None:
+    from fedml_ssfl.runtime.common import RunFailed
+
+    args = ["ssfl_args.algorithm=fedseal", *ALGORITHMS["fedseal"], "train_args.client_num_in_total=3"]
+    args += ["train_args.client_num_per_round=2", "train_args.comm_round=3", f"device_args.state_memory_mb={TINY}"]
+    run_dir = tmp_path / "r"
+
+    def checkpoint_files():
+        return sorted((run_dir / "checkpoints" / STATES_DIR).glob("*.pt"))
+
+    _damage_between_rounds(monkeypatch, 1, checkpoint_files)
+    with pytest.raises(RunFailed) as err:
+        run_local(small_config(*args), run_dir=run_dir)
+    text = str(err.value)
+    assert f"client state file {run_dir / 'checkpoints' / STATES_DIR}" in text and "\n" not in text, text
+    assert "Last good checkpoint" not in text and "names that file too" in text, text
 
 
 @pytest.mark.parametrize("algorithm", ["fedseal", "fedmatch"])

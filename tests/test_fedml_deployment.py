@@ -10,6 +10,7 @@ silos' own state files to the same end.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -120,7 +121,7 @@ def test_deployment_ends_with_the_simulators_model_and_metrics(deployment):
     # each silo's client state stayed on the silo, equal to the simulator's
     assert b["client_states"] == {}
     for silo, state in a["client_states"].items():
-        saved = load_checkpoint(run_dir / f"silo_{silo}" / "checkpoints" / "silo_state.pt")
+        saved = load_checkpoint(run_dir / f"silo_{silo}" / "checkpoints" / "silo_state-3.pt")
         assert saved["round"] == 2 and saved["silo"] == silo
         assert state.keys() == saved["state"].keys()
         for name, t in state.get("momentum", {}).items():
@@ -150,6 +151,65 @@ def test_a_stopped_deployment_resumes_to_the_same_end(deployment):
     b = load_checkpoint(run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["test_acc"] for r in metrics(run_dir)] == [r["test_acc"] for r in metrics(_run_dir(deployment))]
+
+
+# Kills the server (rank 0) as it writes last.pt for a round: every silo has saved that round already.
+KILL_SERVER = textwrap.dedent(
+    """
+    import os
+
+    if os.environ.get("OMPI_COMM_WORLD_RANK") == "0" and os.environ.get("SSFL_TEST_KILL_SERVER_AT"):
+        import fedml_ssfl.runtime.common as _common
+
+        _at, _real = int(os.environ["SSFL_TEST_KILL_SERVER_AT"]), _common.save_checkpoint
+
+        def _save(path, payload):
+            if os.path.basename(str(path)) == "last.pt" and payload.get("round") == _at:
+                os._exit(9)
+            return _real(path, payload)
+
+        _common.save_checkpoint = _save
+    """
+)
+
+
+def test_a_server_killed_in_a_checkpoint_round_resumes_to_the_simulators_model(deployment, tmp_path):
+    """Two-phase checkpoints across processes: the silos saved round 2, the server died before its last.pt of
+    round 2; every silo kept round 1's state, so the resume (every process new) ends with the simulator's model."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(KILL_SERVER)
+    env = mpi_env(SSFL_TEST_KILL_SERVER_AT="1")
+    env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
+    name = ["--set", "common_args.run_name=killed"]
+    killed = mpirun(4, [str(CLI), "run", "--cf", str(deployment["config"]), *name], env=env)
+    assert killed.returncode != 0
+    run_dir = _run_dir(deployment, "killed")
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["round"] == 0  # round 2 was never committed
+    for silo in range(3):
+        names = sorted(p.name for p in (run_dir / f"silo_{silo}" / "checkpoints").glob("silo_state-*.pt"))
+        assert names == ["silo_state-1.pt", "silo_state-2.pt"], names  # round 2 saved, round 1 kept
+    resumed = mpirun(4, [str(CLI), "run", "--cf", str(deployment["config"]), *name, "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = load_checkpoint(deployment["local"].run_dir / "checkpoints" / "last.pt")
+    b = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    for k, v in a["algorithm"]["global_state"].items():
+        assert float((v - b["algorithm"]["global_state"][k]).abs().max()) < 1e-5, k
+    assert [r["round"] for r in metrics(run_dir)] == [1, 2, 3]
+    assert [r["test_acc"] for r in metrics(run_dir)] == [r["test_acc"] for r in metrics(deployment["local"].run_dir)]
+
+
+def test_a_second_server_for_a_run_folder_in_use_is_refused_naming_the_holder(deployment):
+    from fedml_ssfl.runtime.folder_lock import lock_folder
+
+    run_dir = _run_dir(deployment)  # the full run's folder, held here as a running server would hold it
+    before = (run_dir / "metrics.jsonl").read_text()
+    with lock_folder(run_dir):
+        proc = mpirun(4, [str(CLI), "run", "--cf", str(deployment["config"]), "--resume", str(run_dir)])
+    assert proc.returncode != 0
+    line = f"fedml-ssfl: error: rank 0: the run folder {run_dir} is in use by another process (pid {os.getpid()}"
+    assert line in proc.stderr, proc.stderr[-3000:]
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing of the held run was touched
 
 
 def test_a_silo_whose_data_disagrees_is_refused_by_name(deployment, tmp_path):

@@ -207,6 +207,59 @@ def test_run_folders_are_claimed_atomically_by_parallel_processes(tmp_path):
     assert fresh_run_dir(base.parent / "race-old") == base.parent / "race-old-2"
 
 
+def test_a_run_folder_is_locked_while_held_and_released_with_its_holder(tmp_path):
+    import socket
+
+    from fedml_ssfl.runtime.common import discard_unwritten, fresh_run_dir, hold_run_folder
+    from fedml_ssfl.runtime.folder_lock import FolderInUse
+
+    run_dir = fresh_run_dir(tmp_path / "r")
+    lock = hold_run_folder(run_dir)
+    with pytest.raises(FolderInUse) as err:  # a second open of the lock file conflicts, even in this process
+        hold_run_folder(run_dir, resume=True)
+    text = str(err.value)
+    assert f"the run folder {run_dir} is in use by another process (pid {__import__('os').getpid()} on host" in text
+    assert socket.gethostname() in text and "\n" not in text and "wait for that one to end" in text
+    lock.release()
+    hold_run_folder(run_dir, resume=True).release()  # free again
+    assert hold_run_folder(tmp_path / "missing", resume=True) is None  # loading its checkpoint says what is wrong
+    assert discard_unwritten(run_dir) and not run_dir.exists()  # claim and lock files only: nothing was written
+
+
+def test_two_resumes_of_one_run_folder_at_once_the_second_is_refused(small_config, tmp_path):
+    """Real processes: a resume holds the folder; a second ``fedml-ssfl run --resume`` of it is refused at once, in
+    one line naming the folder and the holder, and writes nothing; a killed holder's lock goes with it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cfg = small_config("train_args.comm_round=1000", "validation_args.frequency_of_the_test=1000")
+    run_dir = tmp_path / "r"
+    run_local(cfg, run_dir=run_dir, stop_after=1)
+    cli = [sys.executable, "-m", "fedml_ssfl", "run", str(run_dir / "config.yaml"), "--resume", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while f'"pid": {first.pid},' not in (run_dir / ".lock").read_text() and first.poll() is None:
+            assert time.monotonic() < deadline, "the first resume never took the folder"
+            time.sleep(0.2)
+        assert first.poll() is None, first.stderr.read()
+        second = subprocess.run([*cli, "--stop-after", "3"], capture_output=True, text=True, timeout=180, env=env)
+        assert first.poll() is None  # still running: the refusal was not a race with its end
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    assert second.returncode == 2, second.stderr
+    line = f"fedml-ssfl: error: the run folder {run_dir} is in use by another process (pid {first.pid} on host"
+    assert second.stderr.startswith(line) and second.stderr.count("\n") == 1, second.stderr
+    rounds = [r["round"] for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert rounds == sorted(set(rounds)), rounds  # no round written twice
+    resumed = run_local(cfg, run_dir=run_dir, resume=True, stop_after=1)  # the OS let the killed holder's lock go
+    assert resumed.rounds_completed >= 1
+
+
 def test_run_name_stays_inside_output_dir(small_config):
     for bad in ("../../x", "a/b", "..", ""):
         with pytest.raises(ConfigError, match="common_args.run_name: .* one folder name inside common_args.output_dir"):

@@ -49,6 +49,7 @@ from ..metrics import evaluate
 from ..sampling import sample_clients
 from ..tracking import RunTracker
 from ..training import cosine_lr
+from .folder_lock import LOCK_NAME, FolderLock, lock_folder
 
 CHECKPOINT_NAME = "last.pt"
 
@@ -111,7 +112,8 @@ def discard_unwritten(run_dir: Path | None) -> bool:
 
     A run that stops before its first output (the data cannot be loaded, the model cannot be built, the
     device is missing, the algorithm's setup raises) leaves no folder behind, so failed attempts do not
-    leave ``-2``, ``-3`` ... folders. Only a folder holding nothing but the claim file is removed.
+    leave ``-2``, ``-3`` ... folders. Only a folder holding nothing but the claim file (and the lock
+    file, :func:`hold_run_folder`) is removed.
 
     Returns
     -------
@@ -121,29 +123,54 @@ def discard_unwritten(run_dir: Path | None) -> bool:
     if run_dir is None:
         return False
     try:
-        if [p.name for p in run_dir.iterdir()] != [CLAIM_NAME]:
+        names = {p.name for p in run_dir.iterdir()}
+        if CLAIM_NAME not in names or not names <= {CLAIM_NAME, LOCK_NAME}:
             return False
-        (run_dir / CLAIM_NAME).unlink()
+        for name in names:
+            (run_dir / name).unlink()
         run_dir.rmdir()
     except OSError:
         return False
     return True
 
 
+def hold_run_folder(run_dir: Path, resume: bool = False) -> FolderLock | None:
+    """Lock the run folder for this process until the lock is released or the process ends.
+
+    Every runtime takes it before it reads a checkpoint or writes anything in the folder
+    (:mod:`.folder_lock`), so a second run or resume of the same folder is refused at once. A
+    resumed folder that does not exist is not made (None: loading its checkpoint says what is wrong).
+
+    Raises
+    ------
+    FolderInUse
+        Another process holds the folder (names it, the holder and the fix).
+    """
+    if resume and not Path(run_dir).is_dir():
+        return None
+    return lock_folder(run_dir, "the run folder")
+
+
 @contextlib.contextmanager
 def run_folder(base: Path, resume: bool) -> Iterator[Path]:
-    """The run's folder for the ``with`` block: ``base`` when resuming, else a new one (:func:`fresh_run_dir`).
+    """The run's folder for the ``with`` block: ``base`` when resuming, else a new one (:func:`fresh_run_dir`),
+    locked for the block (:func:`hold_run_folder`).
 
     A new folder is removed again when the block raises before anything was written into it
     (:func:`discard_unwritten`); a resumed run's folder is never touched.
     """
     run_dir = base if resume else fresh_run_dir(base)
+    lock = None
     try:
+        lock = hold_run_folder(run_dir, resume)
         yield run_dir
     except BaseException:
         if not resume:
             discard_unwritten(run_dir)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _output_dir_error(run_dir: Path, exc: OSError) -> ConfigError:
@@ -561,10 +588,13 @@ class RunRecorder:
             f"`fedml-ssfl run --resume {self.run_dir}`"
         )
 
-    def fail(self, error: BaseException | str) -> RunFailed:
+    def fail(self, error: BaseException | str, cause: BaseException | None = None) -> RunFailed:
         """Write a ``failed`` summary; return the :class:`RunFailed` to raise (names the checkpoint).
 
-        When the summary cannot be written (the run folder is gone), the error says so.
+        When the summary cannot be written (the run folder is gone), the error says so. When the
+        failure is a damaged client state file of the checkpoint's own folder (``error``, or
+        ``cause`` when ``error`` is its text), the last checkpoint names that file too: the error
+        says it cannot be resumed as it is, instead of calling it good.
         """
         try:
             self._check_run_dir()
@@ -580,6 +610,13 @@ class RunRecorder:
         except OSError as exc:
             return RunFailed(f"{error} (summary.json was not written: {exc})")
         kept = self.ckpt_path if self.ckpt_path.exists() else "none yet"
+        damaged = cause if cause is not None else error
+        if isinstance(damaged, ClientStateError) and damaged.path is not None and kept != "none yet":
+            if damaged.path.parent == self.ckpt_path.parent / STATES_DIR:
+                return RunFailed(
+                    f"{error} The last checkpoint ({kept}) names that file too, so it cannot be resumed as it is: "
+                    f"restore {damaged.path} from a copy of the run folder, or start a new run"
+                )
         return RunFailed(f"{error} Last good checkpoint: {kept}")
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ from fedml.cross_silo.server.message_define import MyMessage
 
 from ...config import ConfigError, ExperimentConfig, load_config
 from ...experiment import build_experiment, deployed
-from ..common import RunResult, fresh_run_dir
+from ..common import RunResult, fresh_run_dir, hold_run_folder
 from .launch import _fedml_offline, _with_device, check_server_counts, grpc_rank, mpi_rank, worker_count
 from .payloads import decode, encode
 from .protocol import Finish
@@ -201,7 +201,10 @@ def server_runtime(cfg: ExperimentConfig) -> DeployedServerRuntime:
     check_server_counts(cfg, exp)
     exp.algorithm.setup()
     run_dir = fresh_run_dir(cfg.run_dir())
-    return DeployedServerRuntime(cfg, exp, run_dir, None, worker_count(cfg), None, cfg.comm_args.backend)
+    lock = hold_run_folder(run_dir)
+    runtime = DeployedServerRuntime(cfg, exp, run_dir, None, worker_count(cfg), None, cfg.comm_args.backend)
+    runtime.folder_lock = lock  # held while the runtime lives (released when the process ends)
+    return runtime
 
 
 def init(args=None) -> SimpleNamespace:

@@ -23,6 +23,7 @@ from ..common import (
     RunResult,
     discard_unwritten,
     fresh_run_dir,
+    hold_run_folder,
 )
 from .diagnose import check_own_certificate
 from .launch import (
@@ -99,6 +100,7 @@ def run_fedml(
                 check_own_certificate(security.tls, name, rank)
         check_port_free(rank, *table[rank])
     claimed = None  # a new run folder: removed on an error before anything was written into it
+    lock = None  # the server holds its run folder for the run's life (a second run of it is refused)
     try:
         is_server = rank == 0
         state = None
@@ -106,6 +108,7 @@ def run_fedml(
             base = Path(run_dir) if run_dir is not None else cfg.run_dir()
             run_dir = base if resume else fresh_run_dir(base)
             claimed = None if resume else run_dir
+            lock = hold_run_folder(run_dir, resume)
             ckpt = run_dir / "checkpoints" / CHECKPOINT_NAME
             state = load_checkpoint(ckpt, cfg.fingerprint(), cfg.to_dict()) if resume else None
         dev_cfg = _with_device(cfg, rank)
@@ -175,6 +178,9 @@ def run_fedml(
         if comm is not None and comm.Get_size() > 1:
             _abort_mpi_job(rank, exc)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _abort_mpi_job(rank: int, exc: BaseException) -> None:

@@ -300,7 +300,7 @@ class ServerRuntime:
         """Record a failure once (summary.json ``failed``); return the :class:`RunFailed`."""
         if self.failure is None:
             text = str(error) if isinstance(error, (RunFailed, str)) else f"{type(error).__name__}: {error}"
-            self.failure = self.rec.fail(text)
+            self.failure = self.rec.fail(text, cause=error if isinstance(error, BaseException) else None)
             self.bar.close()
             self.rec.close()
             close_client_states(self.client_states)

@@ -20,9 +20,17 @@ Only these nodes exist, so decoding can build nothing else:
   worker protocol (:mod:`.protocol`; its fields are checked as it is built), ``{"F": {...}}``
   FedML's transport message (its parameter dict; the class is supplied by the transport).
 
-Anything else is refused with :class:`WireError` before an object is built: unknown tags, a
-dtype outside the list, a shape that does not match its bytes, a buffer range outside the message,
-a header or a message larger than the limits, nesting deeper than :data:`MAX_DEPTH`.
+Anything else is refused with :class:`WireError` naming what is wrong, before an object is built:
+unknown tags, a dtype outside the list, a shape of more than :data:`MAX_DIMS` sizes or describing more
+than :data:`MAX_ELEMENTS` elements, a shape that does not match its bytes, buffer ranges that do not
+tile the message's buffer part (each starts where the previous one ends, the last ends where the
+message does) or a buffer used twice, a sparse tensor whose indices and values disagree in count or
+shape or fall outside its size, a bool tensor with bytes other than 0 and 1, a dict key that is not a
+plain value, a record, Message, SiloMeta or FedML message whose fields have the wrong types, a header
+that is not JSON, a header or a message larger than the limits, nesting deeper than
+:data:`MAX_DEPTH`. Every size is checked against the message's own length (or the limits) before
+memory is taken for it, and every buffer is copied at most once, so decoding a message allocates at
+most its buffer bytes plus what the JSON header's parse takes (at most :data:`MAX_HEADER_BYTES`).
 """
 
 from __future__ import annotations
@@ -45,6 +53,12 @@ from . import protocol
 MAGIC = b"SSFLWIRE1"
 MAX_DEPTH = 64
 MAX_HEADER_BYTES = 64 * 2**20
+MAX_DIMS = 32
+"""The most sizes a shape may have (NumPy's own limit)."""
+MAX_ELEMENTS = 2**48
+"""The most elements a shape may describe, a size 0 counted as 1: far above any model's tensor, and far
+below where torch's and NumPy's size arithmetic overflows (a dense tensor's bytes must also match its
+buffer, so a dense shape is bounded by the message length too)."""
 MAX_MESSAGE_ENV = "FEDML_SSFL_MAX_MESSAGE_BYTES"
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**30
 
@@ -187,47 +201,99 @@ class _Reader:
     def __init__(self, body: memoryview, ranges: Any, fedml_message_class: type | None):
         if not isinstance(ranges, list):
             raise WireError("buffer table is not a list")
-        for r in ranges:
+        end = 0  # the buffers tile the body: each starts where the previous one ends
+        for i, r in enumerate(ranges):
             if not (
                 isinstance(r, list)
                 and len(r) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in r)
-                and r[0] + r[1] <= body.nbytes
             ):
-                raise WireError(f"buffer range {r!r} lies outside the message")
+                raise WireError(f"buffer range {_show(r)} is not [offset, length]")
+            if r[0] != end:
+                raise WireError(f"buffer {i} {_show(r)} does not start where the previous one ends ({end})")
+            if r[1] > body.nbytes - end:
+                raise WireError(f"buffer range {_show(r)} lies outside the message")
+            end += r[1]
+        if end != body.nbytes:
+            raise WireError(f"{body.nbytes - end} bytes follow the last buffer")
         self.body, self.ranges, self.fedml_message_class = body, ranges, fedml_message_class
+        self.used: set[int] = set()  # a buffer is read (and copied) once: decoded bytes <= the message's
 
     def buffer(self, index: Any) -> memoryview:
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.ranges):
-            raise WireError(f"buffer reference {index!r} is not in the table")
+            raise WireError(f"buffer reference {_show(index)} is not in the table")
+        if index in self.used:
+            raise WireError(f"buffer {index} is referenced twice")
+        self.used.add(index)
         start, n = self.ranges[index]
         return self.body[start : start + n]
 
     @staticmethod
     def shape(spec: Any) -> tuple[int, ...]:
-        if not isinstance(spec, list) or len(spec) > 32:
-            raise WireError(f"shape {spec!r} is not a list of at most 32 sizes")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in spec):
-            raise WireError(f"shape {spec!r} has a size that is not a non-negative integer")
+        if not isinstance(spec, list) or len(spec) > MAX_DIMS:
+            raise WireError(f"shape {_show(spec)} is not a list of at most {MAX_DIMS} sizes")
+        elements = 1
+        for v in spec:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise WireError(f"shape {_show(spec)} has a size that is not a non-negative integer")
+            elements *= max(v, 1)
+            if elements > MAX_ELEMENTS:
+                raise WireError(
+                    f"shape {_show(spec)} describes more than 2^{MAX_ELEMENTS.bit_length() - 1} elements "
+                    "(the codec's limit)"
+                )
         return tuple(spec)
 
     def array(self, spec: Any) -> np.ndarray:
-        if not isinstance(spec, list) or len(spec) != 3 or spec[0] not in _DTYPES:
-            raise WireError(f"array spec {str(spec)[:80]!r}: expected [dtype among the codec's, shape, buffer]")
-        dtype, shape, raw = _DTYPES[spec[0]], self.shape(spec[1]), self.buffer(spec[2])
+        if not isinstance(spec, list) or len(spec) != 3 or not isinstance(spec[0], str) or spec[0] not in _DTYPES:
+            raise WireError(f"array spec {_show(spec)}: expected [dtype among the codec's, shape, buffer]")
+        dtype, shape = _DTYPES[spec[0]], self.shape(spec[1])
+        raw = self.buffer(spec[2])
         if math.prod(shape) * dtype.itemsize != raw.nbytes:
             raise WireError(f"array of {spec[0]} {list(shape)} does not fit its {raw.nbytes} bytes")
-        return np.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)  # a writable copy
+        data = bytearray(raw)  # a writable copy
+        _check_bools(spec[0], data)
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
 
     def tensor(self, spec: Any, depth: int) -> torch.Tensor:
-        if not isinstance(spec, list) or len(spec) != 3 or spec[0] not in _FROM_NAME:
-            raise WireError(f"tensor spec {str(spec)[:80]!r}: expected [dtype among the codec's, shape, buffer]")
-        dtype, shape, raw = _FROM_NAME[spec[0]], self.shape(spec[1]), self.buffer(spec[2])
+        if not isinstance(spec, list) or len(spec) != 3 or not isinstance(spec[0], str) or spec[0] not in _FROM_NAME:
+            raise WireError(f"tensor spec {_show(spec)}: expected [dtype among the codec's, shape, buffer]")
+        dtype, shape = _FROM_NAME[spec[0]], self.shape(spec[1])
+        raw = self.buffer(spec[2])
         itemsize = torch.empty((), dtype=dtype).element_size()
         if math.prod(shape) * itemsize != raw.nbytes:
             raise WireError(f"tensor of {spec[0]} {list(shape)} does not fit its {raw.nbytes} bytes")
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw.nbytes else torch.empty(0, dtype=torch.uint8)
+        data = bytearray(raw)
+        _check_bools(spec[0], data)
+        flat = torch.frombuffer(data, dtype=torch.uint8) if raw.nbytes else torch.empty(0, dtype=torch.uint8)
         return flat.view(dtype).reshape(shape)
+
+    def sparse(self, v: list, depth: int) -> torch.Tensor:
+        """A sparse COO tensor ``[indices, values, size]``, checked as torch's constructor would, but by name."""
+        size = self.shape(v[2])
+        indices, values = self.node(v[0], depth), self.node(v[1], depth)
+        if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)):
+            raise WireError("a sparse tensor needs tensor indices and values")
+        if indices.dtype != torch.int64 or indices.dim() != 2 or indices.shape[0] > len(size):
+            raise WireError(
+                f"a sparse tensor's indices must be a 2-D int64 tensor of at most {len(size)} rows (its size "
+                f"{list(size)}), got {_spec_of(indices)}"
+            )
+        sparse_dim, nnz = indices.shape
+        if values.dim() == 0 or values.shape[0] != nnz:
+            count = values.shape[0] if values.dim() else "no"
+            raise WireError(f"a sparse tensor has {nnz} indices but {count} values")
+        if tuple(values.shape[1:]) != size[sparse_dim:]:
+            raise WireError(
+                f"a sparse tensor's values of shape {list(values.shape)} do not fit the size {list(size)} "
+                f"({sparse_dim} sparse dims)"
+            )
+        if nnz and sparse_dim:
+            bound = torch.tensor(size[:sparse_dim]).unsqueeze(1)
+            if bool((indices < 0).any()) or bool((indices >= bound).any()):
+                raise WireError(f"a sparse tensor's indices fall outside its size {list(size)}")
+        # the invariants torch would check (10-40x the cost) were checked above, each refusal naming its reason
+        return torch.sparse_coo_tensor(indices, values, size, check_invariants=False).coalesce()
 
     def node(self, x: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -236,12 +302,12 @@ class _Reader:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if not isinstance(x, dict) or len(x) not in (1, 2):
-            raise WireError(f"node {str(x)[:80]!r} is not one of the codec's")
+            raise WireError(f"node {_show(x)} is not one of the codec's")
         if "a" in x and set(x) <= {"a", "w"}:
             array = self.array(x["a"])
             return WireArray(array) if x.get("w") else array
         if len(x) != 1:
-            raise WireError(f"node {str(x)[:80]!r} is not one of the codec's")
+            raise WireError(f"node {_show(x)} is not one of the codec's")
         ((tag, v),) = x.items()
         if tag == "l" and isinstance(v, list):
             return [self.node(e, d) for e in v]
@@ -259,24 +325,18 @@ class _Reader:
         if tag == "T":
             return self.tensor(v, d)
         if tag == "S" and isinstance(v, list) and len(v) == 3:
-            indices, values = self.node(v[0], d), self.node(v[1], d)
-            size = self.shape(v[2])
-            if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)):
-                raise WireError("a sparse tensor needs tensor indices and values")
-            if indices.dtype != torch.int64 or indices.dim() != 2 or indices.shape[0] != len(size):
-                raise WireError("a sparse tensor's indices do not match its size")
-            if indices.numel() and (
-                bool((indices < 0).any()) or bool((indices.max(dim=1).values >= torch.tensor(size)).any())
-            ):
-                raise WireError("a sparse tensor's indices fall outside its size")
-            return torch.sparse_coo_tensor(indices, values, size, check_invariants=True).coalesce()
+            return self.sparse(v, d)
         if tag == "M" and isinstance(v, dict) and set(v) == {"weights", "extras", "n"}:
-            weights, extras = self.node(v["weights"], d), self.node(v["extras"], d)
-            if not isinstance(weights, dict) or not isinstance(extras, dict) or not isinstance(v["n"], int):
-                raise WireError("a Message needs dict weights, dict extras and an integer sample count")
-            return Message(weights=weights, extras=extras, num_samples=v["n"])
+            weights, extras, n = self.node(v["weights"], d), self.node(v["extras"], d), v["n"]
+            if not isinstance(weights, dict) or not isinstance(extras, dict) or not _count(n):
+                raise WireError("a Message needs dict weights, dict extras and a non-negative integer sample count")
+            return Message(weights=weights, extras=extras, num_samples=n)
         if tag == "K" and isinstance(v, dict) and set(v) == set(SiloMeta.__dataclass_fields__):
-            return SiloMeta(**{k: self.node(e, d) for k, e in v.items()})
+            fields = {k: self.node(e, d) for k, e in v.items()}
+            for k, value in fields.items():
+                if not _META_FIELDS[k](value):
+                    raise WireError(f"SiloMeta.{k} must be {_META_TYPES[k]}, got {_show(value)}")
+            return SiloMeta(**fields)
         if tag == "R" and isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], dict):
             values = {k: self.node(e, d) for k, e in v[1].items()}
             try:
@@ -289,6 +349,13 @@ class _Reader:
                 raise WireError("a FedML message needs a parameter dict with string keys")
             if not {"msg_type", "sender", "receiver"} <= set(params):
                 raise WireError("a FedML message needs msg_type, sender and receiver")
+            if not (
+                isinstance(params["msg_type"], (int, str))
+                and not isinstance(params["msg_type"], bool)
+                and _count(params["sender"])
+                and _count(params["receiver"])
+            ):
+                raise WireError("a FedML message needs an int or str msg_type and non-negative integer ranks")
             msg = self.fedml_message_class()
             msg.init_from_json_object(params)
             return msg
@@ -296,14 +363,72 @@ class _Reader:
 
     def key(self, x: Any, depth: int) -> Any:
         k = self.node(x, depth)
-        if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
-            raise WireError(f"a dict key of type {type(k).__name__} is not allowed")
+        if not _plain_key(k):
+            raise WireError(f"a dict key of type {type(k).__name__} is not allowed (plain values and tuples of them)")
         return k
+
+
+def _show(x: Any) -> str:
+    """``repr(x)``, cut to 80 characters (a refusal names the bad value, not a megabyte of it)."""
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _plain_key(k: Any) -> bool:
+    """A value that may key a decoded dict: a scalar, or a tuple of them (hashable by value)."""
+    if k is None or isinstance(k, (str, int, float, bool)):
+        return True
+    return isinstance(k, tuple) and all(_plain_key(e) for e in k)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_bools(dtype: str, data: bytearray) -> None:
+    """A bool tensor's bytes are 0 or 1 (torch and NumPy read any other byte as a corrupt bool)."""
+    if dtype == "bool" and data.translate(None, b"\x00\x01"):
+        raise WireError("a bool tensor holds bytes other than 0 and 1")
+
+
+def _spec_of(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def _positive(v: Any) -> bool:
+    return _count(v) and v > 0
+
+
+def _floats(v: Any) -> bool:
+    return isinstance(v, tuple) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+
+_META_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "num_classes": _positive,
+    "class_names": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "in_channels": _positive,
+    "image_size": _positive,
+    "mean": _floats,
+    "std": _floats,
+    "flip": lambda v: isinstance(v, bool),
+}
+_META_TYPES = {
+    "num_classes": "a positive integer",
+    "class_names": "a list of strings",
+    "in_channels": "a positive integer",
+    "image_size": "a positive integer",
+    "mean": "a tuple of numbers",
+    "std": "a tuple of numbers",
+    "flip": "a boolean",
+}
 
 
 def loads(data: bytes | bytearray | memoryview, fedml_message_class: type | None = None) -> Any:
     """Decode a message written by :func:`dumps`; :class:`WireError` for anything else."""
-    view = memoryview(data).cast("B")
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:
+        raise WireError(f"a {type(data).__name__} is not bytes") from None
     limit = max_message_bytes()
     if view.nbytes > limit:
         raise WireError(f"message of {view.nbytes} bytes exceeds the limit of {limit} ({MAX_MESSAGE_ENV})")
@@ -315,8 +440,8 @@ def loads(data: bytes | bytearray | memoryview, fedml_message_class: type | None
         raise WireError(f"header length {n} does not fit the message")
     try:
         header = json.loads(bytes(view[head : head + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise WireError(f"header is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError, a number too long
+        raise WireError(f"header is not JSON ({str(exc)[:200]})") from None
     if not isinstance(header, dict) or set(header) != {"v", "b"}:
         raise WireError("header lacks its value and buffer table")
     try:

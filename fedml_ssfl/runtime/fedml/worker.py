@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import traceback
 from collections.abc import MutableMapping
@@ -11,12 +12,14 @@ from typing import Any
 
 from ... import seeding
 from ...algorithms.base import ClientContext
-from ...checkpoint import load_checkpoint, save_checkpoint
+from ...atomic import make_folder
+from ...checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ...client_state import ClientStateStore
 from ...config import ExperimentConfig
 from ...experiment import Experiment
 from ..common import spill_folder
-from .protocol import Failure, Reply, Task
+from ..folder_lock import FolderLock, lock_folder
+from .protocol import Failure, Intro, Reply, Task
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ def _failure(r: int, silo: int, rank: int, exc: Exception) -> Failure:
 
 
 SILO_STATE_NAME = "silo_state.pt"
+"""The one state file of a silo folder written before states were kept per round (read on resume)."""
+
+_ROUND_FILE = re.compile(r"silo_state-(\d+)\.pt")
 
 
 def silo_dir(cfg: ExperimentConfig, run_name: str, silo: int) -> Path:
@@ -108,59 +114,139 @@ def silo_dir(cfg: ExperimentConfig, run_name: str, silo: int) -> Path:
     return Path(cfg.common_args.output_dir).expanduser() / run_name / f"silo_{silo}"
 
 
+def silo_state_path(folder: Path, r: int) -> Path:
+    """The file of the state a silo saved after round ``r`` (0-based) in ``folder``: ``silo_state-<r + 1>.pt``."""
+    return Path(folder) / f"silo_state-{r + 1}.pt"
+
+
+def saved_rounds(folder: Path) -> dict[int, Path]:
+    """The states saved in ``folder``: ``{round (0-based): file}``."""
+    found = {}
+    if Path(folder).is_dir():
+        for p in Path(folder).iterdir():
+            m = _ROUND_FILE.fullmatch(p.name)
+            if m and int(m.group(1)) >= 1:
+                found[int(m.group(1)) - 1] = p
+    return found
+
+
 class SiloWorker:
     """A deployed silo (rank k + 1): trains its own data, keeps its own client state, saves it itself.
 
-    The first payload carries the server's metadata (:class:`~fedml_ssfl.data.silos.SiloMeta`),
-    the run folder's name and the last round the run had completed; only then does the silo read
-    its file (``data_args.local_data``), check it against the metadata and build its algorithm.
-    Its client state never leaves the process: at checkpoint rounds (every payload says whether
-    the round is one) it is written atomically to ``silo_dir(...)/checkpoints/silo_state.pt`` with
-    the round, and a resumed run reloads it, refusing a file from another round or config.
+    A task that carries an :class:`~.protocol.Intro` (the first one, and any later one: a server
+    restarted with ``--resume``, a silo process restarted) gives the server's metadata, the run
+    folder's name and the last round the server has committed; the silo then (re)builds what it
+    needs (it reads its file, ``data_args.local_data``, checks it against the metadata and builds its
+    algorithm; again only when they changed), locks its folder ``silo_dir(...)`` for the process's
+    life, and sets its client state to the one it saved after that round (an empty state for -1, a
+    fresh run), refusing in one line naming the file and the fix when that state is not on disk.
+    States saved after later rounds are removed: the server never committed them.
+
+    Its client state never leaves the process. At checkpoint rounds (every task says whether the
+    round is one) it is written atomically to ``silo_dir(...)/checkpoints/silo_state-<round>.pt``
+    (round from 1) before the reply goes out. That is the first phase of a two-phase checkpoint;
+    the server's ``last.pt`` for the round, written once every silo has replied, is the second.
+    The server builds round r's tasks only after it has committed every checkpoint round before r,
+    so when the silo saves round r, the newest state it saved before r belongs to the round the
+    server committed last: the silo keeps that one and the new one and removes older ones. Whatever
+    point of whatever round a run fails at, the state matching the server's ``last.pt`` is on disk.
     """
 
     def __init__(self, cfg: ExperimentConfig, rank: int):
         self.cfg, self.rank, self.silo = cfg, rank, rank - 1
         self.exp: Any = None
+        self.meta: Any = None
+        self.run_name: str | None = None
         self.state: dict[str, Any] = {}
-        self.state_path: Path | None = None
+        self.folder: Path | None = None  # silo_dir(...)/checkpoints
+        self.lock: FolderLock | None = None
 
-    def _start(self, task: Task) -> None:
+    def introduce(self, intro: Intro) -> None:
+        """Take the server's :class:`~.protocol.Intro`: build for its metadata and run folder, and set the client
+        state to the one saved after round ``intro.resumed_after`` (empty for -1).
+
+        Raises
+        ------
+        CheckpointError
+            No state of that round is on disk, or the file is damaged or from another config (names the file
+            and the fix).
+        FolderInUse
+            Another process holds this silo's folder.
+        """
         from ...experiment import build_silo_experiment
 
-        intro = task.intro
-        if intro is None:
-            raise RuntimeError("the server's first message carries no metadata; restart the job")
-        self.exp = build_silo_experiment(self.cfg, intro.meta, self.rank)
-        self.state_path = silo_dir(self.cfg, intro.run_name, self.silo) / "checkpoints" / SILO_STATE_NAME
-        after = intro.resumed_after
-        if after >= 0:
-            saved = load_checkpoint(self.state_path, self.cfg.fingerprint())
-            if saved.get("round") != after or saved.get("silo") != self.silo:
-                theirs = saved.get("round")
-                theirs = theirs + 1 if isinstance(theirs, int) else theirs
-                raise RuntimeError(
-                    f"{self.state_path} holds silo {saved.get('silo')}'s state after round {theirs}, but "
-                    f"the server resumes after round {after + 1}: restore this silo's checkpoint folder from that round"
-                )
-            self.state = saved["state"]
+        if self.exp is None or intro.meta != self.meta:
+            self.exp, self.meta = build_silo_experiment(self.cfg, intro.meta, self.rank), intro.meta
+        if intro.run_name != self.run_name:
+            home = make_folder(silo_dir(self.cfg, intro.run_name, self.silo))
+            lock = lock_folder(home, f"silo {self.silo}'s folder")
+            if self.lock is not None:
+                self.lock.release()
+            self.lock, self.run_name, self.folder = lock, intro.run_name, home / "checkpoints"
+        self.state = self._load(intro.resumed_after)
+        for r, path in saved_rounds(self.folder).items():
+            if r > intro.resumed_after:  # saved in a round the server never committed
+                path.unlink(missing_ok=True)
+
+    def _load(self, after: int) -> dict[str, Any]:
+        """The state saved after round ``after`` (a new empty state for -1)."""
+        if after < 0:
+            return {}
+        path = silo_state_path(self.folder, after)
+        legacy = self.folder / SILO_STATE_NAME
+        if not path.is_file() and legacy.is_file():
+            path = legacy  # written by a version that kept one file: checked for its round below
+        if not path.is_file():
+            have = ", ".join(str(r + 1) for r in sorted(saved_rounds(self.folder))) or "none"
+            raise CheckpointError(
+                f"silo {self.silo}: no state saved after round {after + 1} at {path} (rounds saved here: {have}), but "
+                f"the server resumes after round {after + 1}: restore this silo's folder {self.folder.parent} from a "
+                "copy that has it, or start a new run (without --resume)"
+            )
+        saved = load_checkpoint(path, self.cfg.fingerprint(), self.cfg.to_dict())
+        if saved.get("round") != after or saved.get("silo") != self.silo:
+            theirs = saved.get("round")
+            theirs = theirs + 1 if isinstance(theirs, int) else theirs
+            raise CheckpointError(
+                f"{path} holds silo {saved.get('silo')}'s state after round {theirs}, but the server resumes after "
+                f"round {after + 1}: restore this silo's folder {self.folder.parent} from that round"
+            )
+        return saved["state"]
+
+    def save(self, r: int) -> Path:
+        """Write the state after round ``r`` (atomically), then remove states older than the last one the server
+        committed (the newest saved before ``r``): two stay."""
+        path = save_checkpoint(
+            silo_state_path(self.folder, r),
+            {
+                "round": r,
+                "silo": self.silo,
+                "fingerprint": self.cfg.fingerprint(),
+                "config": self.cfg.to_dict(),  # a refused resume names the keys that differ
+                "state": self.state,
+            },
+        )
+        older = sorted(q for q in saved_rounds(self.folder) if q < r)
+        for q in older[:-1]:  # older[-1]: the round the server committed last, until it commits r
+            silo_state_path(self.folder, q).unlink(missing_ok=True)
+        (self.folder / SILO_STATE_NAME).unlink(missing_ok=True)  # the one-file layout's state is older still
+        return path
 
     def handle(self, task: Task) -> Reply | Failure:
         """One round (train, or stay idle when not sampled); never raises (errors go to the server)."""
         r = task.round
         try:
-            if self.exp is None:
-                self._start(task)
+            if task.intro is not None:
+                self.introduce(task.intro)
+            elif self.exp is None:
+                raise RuntimeError("the server's first message carries no metadata; restart the job")
             if task.silo != self.silo:
                 raise RuntimeError(f"rank {self.rank} serves silo {self.silo}, but was sent silo {task.silo}")
             reply = Reply(r, self.silo, self.rank, trained=task.train)
             if task.train:
                 reply.msg = _client_update(self.exp, task.msg, self.silo, r, self.state)
             if task.checkpoint:
-                save_checkpoint(
-                    self.state_path,
-                    {"round": r, "silo": self.silo, "fingerprint": self.cfg.fingerprint(), "state": self.state},
-                )
+                self.save(r)
             return reply
         except Exception as exc:  # reported to the server, which stops the run naming this silo
             return _failure(r, self.silo, self.rank, exc)
