@@ -379,25 +379,27 @@ class DeployedServerRuntime(ServerRuntime):
 
     def rejoin(self, rank: int) -> Task | None:
         """Rank ``rank`` came back as a new process (a silo restarted): its next task carries an
-        :class:`Intro`, so it reloads its state saved after the last round the server completed; that
-        is this round's task again while the round waits for it (returned), else the next round's.
+        :class:`Intro`, so it reloads its state saved after the last round the server completed
+        before that task; that is this round's task again while the round waits for it (returned),
+        else (it had answered) the next round's.
 
         Raises
         ------
         RuntimeError
-            The last completed round was not a checkpoint round: the silo saved no state after it.
+            That round was not a checkpoint round: the silo saved no state after it.
         """
-        last = self.round - 1
-        if last >= 0 and not is_checkpoint_round(self.cfg, last, self.end):
+        waits = self.payloads is not None and rank in self.awaiting
+        needed = self.round - 1 if waits else self.round
+        if needed >= 0 and needed < self.end and not is_checkpoint_round(self.cfg, needed, self.end):
             every = self.cfg.tracking_args.checkpoint_every
             raise RuntimeError(
                 f"round {self.round + 1}: rank {rank} (silo {rank - 1}) restarted, and silos save their state only "
-                f"at checkpoint rounds (tracking_args.checkpoint_every: {every}), not after round {last + 1}: "
+                f"at checkpoint rounds (tracking_args.checkpoint_every: {every}), not after round {needed + 1}: "
                 f"resume the run from its last checkpoint (--resume {self.run_dir}); with checkpoint_every: 1 a "
                 "restarted silo rejoins the running job"
             )
         self.introduced.discard(rank)
-        if self.payloads is None or rank not in self.awaiting:
+        if not waits:
             return None
         k = rank - 1
         task = dataclasses.replace(self.payloads[k], intro=self.intro())
