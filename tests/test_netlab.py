@@ -75,7 +75,7 @@ def test_round_trips_match_the_delay_set_on_a_link(make_lab):
 
 def test_loss_drops_about_the_share_set_each_way(make_lab):
     """20% loss on a's link up, 10% down: of 2000 datagrams a -> b about 80% arrive, b -> a about
-    90%, and the hub's counts of what it dropped make up exactly the difference."""
+    90%, and the hub's counts of what it dropped make up the difference."""
     lab = make_lab(["a", "b"])
     echo(lab, "b")
     echo(lab, "a")
@@ -95,7 +95,8 @@ def test_loss_drops_about_the_share_set_each_way(make_lab):
         shares[stage] = 1 - received / n
         # binomial sd at n = 2000 is under 0.009: 0.04 is more than 4 sd
         assert abs(shares[stage] - p) < 0.04, (stage, received, n)
-        assert lost == n - received, (stage, lost, n, received)  # every missing datagram is the hub's doing
+        # every missing datagram is the hub's doing (it may also have dropped an ARP frame or two)
+        assert n - received <= lost <= n - received + 3, (stage, lost, n, received)
     print(f"\nnetlab loss set 20% up / 10% down: measured {shares['up']:.1%} / {shares['down']:.1%} of {n} datagrams")
 
 
