@@ -208,3 +208,102 @@ def test_clean_network(make_lab, tmp_path, job):
     took = run.finish(bound=150)
     run.assert_simulators_model()
     print(f"\nclean network: {took:.1f} s")
+
+
+def test_one_second_delay_on_every_silos_link(make_lab, tmp_path, job):
+    """(a) 1 s +- 100 ms one-way between the server and each silo (both silos' links, both ways):
+    2 s round trips, about 4-6 round trips to open a TLS channel and send a message."""
+    lab = make_lab(HOSTS, subnet=SUBNET)
+    for silo in HOSTS[1:]:
+        lab.link(silo).set(delay=1.0, jitter=0.1)
+    run = Job(lab, job, tmp_path, "delay")
+    run.start_all()
+    took = run.finish(bound=240)
+    run.assert_simulators_model()
+    print(f"\n1 s one-way delay: {took:.1f} s")
+
+
+def test_slow_lossy_narrow_links(make_lab, tmp_path, job):
+    """(b) 200 ms one-way, 5% loss each way and 256 kbit/s (tbf) each way on both silos' links."""
+    lab = make_lab(HOSTS, subnet=SUBNET)
+    for silo in HOSTS[1:]:
+        lab.link(silo).set(delay=0.2, loss=0.05)
+        lab.link(silo).rate(256)
+    run = Job(lab, job, tmp_path, "lossy")
+    run.start_all()
+    took = run.finish(bound=240)
+    run.assert_simulators_model()
+    lost = sum(lab.link(s).stats()[d]["lost"] for s in HOSTS[1:] for d in ("up", "down"))
+    assert lost > 0  # the loss did meet the job's traffic
+    print(f"\n200 ms + 5% loss + 256 kbit/s: {took:.1f} s, {lost} frames lost")
+
+
+def test_a_30_s_cut_of_one_silos_link_in_mid_round(make_lab, tmp_path, job):
+    """(c) As soon as the server has committed round 1, silo 1's link drops everything for 30 s
+    (round 2 is under way: its tasks are in flight or training); then it comes back."""
+    lab = make_lab(HOSTS, subnet=SUBNET)
+    run = Job(lab, job, tmp_path, "cut")
+    run.start_all()
+    run.wait_until("the server's checkpoint of round 1", lambda: run.committed() >= 1, timeout=150)
+    cut = lab.link("silo1").cut(30.0)
+    assert run.committed() == 1 and all(p.alive for p in run.procs.values())  # mid-run, in round 2
+    took = run.finish(bound=200)
+    stats = lab.link("silo1").stats()
+    assert stats["up"]["cut"] + stats["down"]["cut"] > 0, stats  # the cut met the job's traffic
+    run.assert_simulators_model()
+    print(f"\n30 s cut at {cut['start'] - run.t0:.1f} s into the run: {took:.1f} s")
+
+
+def test_the_server_killed_and_restarted_alone_with_resume(make_lab, tmp_path, job):
+    """(d) Once round 1 is committed the server is killed (SIGKILL) and, 1 s later, started again
+    alone with --resume; the silos keep running and rejoin it."""
+    lab = make_lab(HOSTS, subnet=SUBNET)
+    run = Job(lab, job, tmp_path, "server_restart")
+    run.start_all()
+    run.wait_until("the server's checkpoint of round 1", lambda: run.committed() >= 1, timeout=150)
+    run.kill(0)
+    time.sleep(1.0)
+    run.start(0, resume=True)
+    took = run.finish(bound=200)
+    run.assert_simulators_model()
+    print(f"\nserver restarted alone: {took:.1f} s")
+
+
+def test_a_silo_killed_and_restarted(make_lab, tmp_path, job):
+    """(e) Once round 1 is committed silo 1 is killed (SIGKILL) and, 1 s later, started again with
+    --resume; the server and silo 0 keep running."""
+    lab = make_lab(HOSTS, subnet=SUBNET)
+    run = Job(lab, job, tmp_path, "silo_restart")
+    run.start_all()
+    run.wait_until("the server's checkpoint of round 1", lambda: run.committed() >= 1, timeout=150)
+    run.kill(2)
+    time.sleep(1.0)
+    run.start(2, resume=True)
+    took = run.finish(bound=200)
+    run.assert_simulators_model()
+    print(f"\nsilo restarted: {took:.1f} s")
+
+
+def test_a_failure_inside_a_checkpoint_round_resumes_on_every_process(make_lab, tmp_path, job):
+    """(f) The server is killed the moment silo 0 has saved its state for a round the server has
+    not yet committed (every round checkpoints); then every process is stopped and started again
+    with --resume."""
+    lab = make_lab(HOSTS, subnet=SUBNET)
+    run = Job(lab, job, tmp_path, "ckpt_failure")
+    run.start_all()
+
+    def silo_ahead() -> tuple[int, int] | None:
+        silo = run.saved(0)
+        return (silo, run.committed()) if silo >= 2 and run.committed() < silo else None
+
+    silo, server = run.wait_until("silo 0 saving a round the server has not committed", silo_ahead, 150, poll=0.01)
+    run.kill(0)
+    assert run.committed() == server, "the server committed silo 0's round before the kill: a slow poll"
+    for rank in (1, 2):
+        run.kill(rank)
+    time.sleep(1.0)
+    for rank in range(len(HOSTS)):
+        run.start(rank, resume=True)
+    took = run.finish(bound=200)
+    run.assert_simulators_model()
+    print(f"\nkilled with silo 0 after round {silo} and the server after round {server}, resumed: {took:.1f} s")
