@@ -29,6 +29,7 @@ from fedml_ssfl.config import load_config
 from fedml_ssfl.experiment import export_deployment
 from fedml_ssfl.runtime.local import run_local
 from tests.conftest import SMALL
+from tests.netlab import Proc
 
 pytest.importorskip("fedml")
 pytest.importorskip("grpc")
@@ -95,7 +96,11 @@ def by_round(run_dir: Path) -> dict[int, float]:
 
 
 class Job:
-    """One scenario's run: the processes of ranks 0..2 on the lab's hosts, their restarts, and the checks."""
+    """One scenario's run: the processes of ranks 0..2 on the lab's hosts, their restarts, and the checks.
+
+    ``env``: environment variables for every process beside the defaults (e.g. a shorter waiting
+    budget, where a scenario needs one to stay bounded).
+    """
 
     def __init__(self, lab, job: dict, tmp: Path, name: str, **env: str):
         self.lab, self.config, self.reference = lab, job["config"], job["local"]
@@ -107,11 +112,11 @@ class Job:
         self.env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", FEDML_SSFL_NET_RECORD=str(self.record))
         self.env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
         self.env.update(env)
-        self.procs: dict[int, object] = {}
+        self.procs: dict[int, Proc] = {}
         self._seen: dict[Path, tuple] = {}
         self.t0 = time.monotonic()
 
-    def start(self, rank: int, resume: bool = False):
+    def start(self, rank: int, resume: bool = False) -> Proc:
         """Start (or, after a kill, start again) rank ``rank`` on its host; ``resume``: with --resume."""
         role = "server" if rank == 0 else "client"
         argv = [str(CLI), "run", "--cf", str(self.config), "--rank", str(rank), "--role", role, *self.sets]
