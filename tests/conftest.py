@@ -89,3 +89,30 @@ def one_line_error(err: str, prefix: str) -> str:
     tail = err[err.index(prefix) :]
     assert tail.count("\n") <= 1 and tail.strip(), err
     return tail.strip()
+
+
+@pytest.fixture
+def make_lab(tmp_path):
+    """``make_lab(hosts)``: a network lab (tests/netlab.py) torn down after the test, whatever happens.
+
+    Skips, naming why, only where this machine refuses network namespaces (``ip netns add`` fails).
+    """
+    from tests.netlab import Lab, NamespacesRefused, terminate_as_interrupt
+
+    labs = []
+
+    def make(hosts: list[str], **kwargs):
+        lab = Lab(hosts, tmp_path / f"lab{len(labs)}", **kwargs)
+        try:
+            lab.start()
+        except NamespacesRefused as exc:
+            pytest.skip(f"network namespaces refused: {exc}")
+        labs.append(lab)
+        return lab
+
+    with terminate_as_interrupt():
+        try:
+            yield make
+        finally:
+            for lab in labs:
+                lab.close()
