@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import subprocess
 import sys
 import textwrap
@@ -26,17 +27,86 @@ from pathlib import Path
 
 import pytest
 
+from fedml_ssfl.checkpoint import load_checkpoint
 from fedml_ssfl.config import load_config, validate
 from fedml_ssfl.runtime.local import run_local
 from tests.conftest import one_line_error
 from tests.pki import make_ca, make_cert
 from tests.test_fedml_grpc import CLI, env, finish, free_ports, grpc_config, wait_for_port
-from tests.test_fedml_rejoin import same_model, wait_rounds
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("fedml")
 
 TIMEOUT = 300
+
+
+def spawn(cmd: list[str], environ: dict, log: Path) -> subprocess.Popen:
+    """Start ``cmd`` with its output in ``log``.out / .err (files, not pipes: a process that logs
+    thousands of dropped messages must never block on a full pipe while the test waits for it)."""
+    out, err = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115 (closed by reap)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=environ)
+    proc.logs = (out, err, log)
+    return proc
+
+
+def log_of(proc: subprocess.Popen) -> str:
+    return Path(f"{proc.logs[2]}.err").read_text()[-3000:]
+
+
+def wait_until(what: str, check, procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> None:
+    """Poll ``check()`` until true; fail naming ``what`` (and the log of a process that exited) otherwise."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a process exited ({p.returncode}) before {what}: {log_of(p)}")
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.2)
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def rounds_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def same_model(run_dir: Path, local_dir: Path) -> None:
+    """``run_dir`` ended with ``local_dir``'s model and every round's test accuracy."""
+    a = load_checkpoint(local_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    b = load_checkpoint(run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    sim = [json.loads(x)["test_acc"] for x in (local_dir / "metrics.jsonl").read_text().splitlines()]
+    dep = {
+        json.loads(x)["round"]: json.loads(x)["test_acc"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+    }
+    assert [dep[r] for r in sorted(dep)] == sim
+
+
+def reap(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for ``procs`` (kill what is left at ``timeout``); each one's exit code, stdout and stderr."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p in procs:
+        out, err, log = p.logs
+        out.close()
+        err.close()
+        results.append((p.returncode, Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text()))
+    return results
 
 
 class Proxy:
@@ -89,7 +159,7 @@ class Proxy:
 # and session (so they reach the decoder), built from messages that change nothing if they decode.
 FUZZING_CLIENT = textwrap.dedent(
     """
-    import json, os, random, sys, threading
+    import json, os, random, sys
     import torch
     from fedml.core.distributed.communication.message import Message as FedMessage
     from fedml.cross_silo.server.message_define import MyMessage
@@ -115,6 +185,11 @@ FUZZING_CLIENT = textwrap.dedent(
             message(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER,
                     model_params={"ssfl": Reply(10**6, 0, 1, msg=Message(weights={"s": sparse}))}),
             message("ssfl_no_such_type"),
+            message(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, model_params=None, num_samples=5),
+            # the verdicts a process says only to itself: a peer's must not end the run
+            message("ssfl_transport", event="undelivered", peer=1, label="a task", cause="forged", code="X"),
+            message("ssfl_watchdog", action="fail", reason="forged"),
+            message("ssfl_watchdog", action="force"),
         ]
         # the issue's two: a sparse tensor whose index and value counts differ, a shape of 2^62 x 2^62 x 0
         for seed, edit in ((out[1], "counts"), (out[0], "shape")):
@@ -165,7 +240,7 @@ FUZZING_CLIENT = textwrap.dedent(
         original(self, msg)
         if msg.get_type() == MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER and not state["started"]:
             state["started"] = True
-            threading.Thread(target=fuzz, args=(self,), daemon=True).start()
+            fuzz(self)  # on the message thread: the run waits for this rank's next reply meanwhile
 
     transports.QuietGrpcComm.send_message = send_message
     sys.exit(main(sys.argv[1:]))
@@ -189,7 +264,7 @@ def corrupt(envelopes: list[bytes], n: int, seed: int = 3) -> list[bytes]:
 
 
 def test_captured_envelopes_replayed_after_a_resume_and_a_fuzzing_member_change_nothing(tmp_path):
-    rounds = 4
+    rounds = 6
     cfg = grpc_config(
         tmp_path,
         3,
@@ -207,23 +282,21 @@ def test_captured_envelopes_replayed_after_a_resume_and_a_fuzzing_member_change_
     fuzzer.write_text(FUZZING_CLIENT)
     environ = env(FEDML_SSFL_HEARTBEAT_INTERVAL="1", FEDML_SSFL_FINISH_GRACE="10")
 
+    started = []
+
     def launch(rank: int, *extra: str, fuzz: int = 0) -> subprocess.Popen:
         role = "server" if rank == 0 else "client"
         prefix = [sys.executable, str(fuzzer)] if fuzz else [str(CLI)]
         cmd = [*prefix, "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role, *extra]
         via = ["--set", f"comm_args.grpc_ipconfig_path={tmp_path / 'via_proxy.csv'}"] if rank == 1 else []
-        return subprocess.Popen(
-            [*cmd, *via],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**environ, "SSFL_TEST_FUZZ": str(fuzz)},
-        )
+        started.append(rank)
+        log = tmp_path / f"rank{rank}-{len(started)}"
+        return spawn([*cmd, *via], {**environ, "SSFL_TEST_FUZZ": str(fuzz)}, log)
 
     proxy = Proxy(tmp_path / "certs", proxy_port, ports[0])
     try:
         # the first process of the job: two rounds, every envelope of rank 1 recorded on the way
-        first = finish([launch(0, "--stop-after", "2"), launch(1), launch(2)], TIMEOUT)
+        first = reap([launch(0, "--stop-after", "2"), launch(1), launch(2)], TIMEOUT)
         for rank, (code, _, stderr) in enumerate(first):
             assert code == 0, f"rank {rank}: {stderr[-4000:]}"
         captured = list(proxy.seen)
@@ -232,29 +305,46 @@ def test_captured_envelopes_replayed_after_a_resume_and_a_fuzzing_member_change_
         # --resume: the server and rank 2 start, the attacker replays everything before rank 1 is back
         run_dir = cfg.run_dir()
         procs = [launch(0, "--resume", str(run_dir)), None, launch(2)]
-        wait_for_port(ports[0], procs[0])
+        wait_until("the server listens", lambda: listening(ports[0]), procs[::2])
         time.sleep(2)
-        before = [proxy.send(ports[0], e) for e in captured]
-        junk = [proxy.send(ports[0], e) for e in corrupt(captured, 300)]
+
+        def attack(envelopes: list[bytes]) -> list[str]:  # while the server runs (it ends when the run does)
+            return [proxy.send(ports[0], e) for e in envelopes if procs[0].poll() is None]
+
+        before = attack(captured)
+        junk = attack(corrupt(captured, 300))
         procs[1] = launch(1, fuzz=1500)  # the real rank 1, gone wrong: it fuzzes the server once admitted
-        wait_rounds(run_dir, 3, [p for p in procs if p is not None])
-        after = [proxy.send(ports[0], e) for e in captured]  # again, with the real rank 1 admitted
-        junk += [proxy.send(ports[0], e) for e in corrupt(captured, 300, seed=4)]
-        results = finish(procs, TIMEOUT)
+        wait_until("round 3", lambda: rounds_done(run_dir) >= 3, procs)
+        after = attack(captured)  # again, with the real rank 1 admitted
+        junk += attack(corrupt(captured, 300, seed=4))
+        results = reap(procs, TIMEOUT)
     finally:
         proxy.stop()
+        for p in procs:
+            if p is not None and p.poll() is None:
+                p.kill()
     for rank, (code, _, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stderr[-4000:]}"
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     # nothing of the first processes was taken: the handshake and the sessions refused it all
-    assert set(before) | set(after) <= {"OK", "FAILED_PRECONDITION", "ALREADY_EXISTS"}, (before, after)
+    ended = {"UNAVAILABLE", "CANCELLED"}  # the run ended while the attacker was still at it
+    assert set(before) | set(after) <= {"OK", "FAILED_PRECONDITION", "ALREADY_EXISTS", *ended}, (before, after)
     assert "FAILED_PRECONDITION" in before and "FAILED_PRECONDITION" in after
-    assert set(junk) <= {"PERMISSION_DENIED", "FAILED_PRECONDITION"}, set(junk)
+    assert set(junk) <= {"PERMISSION_DENIED", "FAILED_PRECONDITION", *ended}, set(junk)
+    assert junk.count("PERMISSION_DENIED") >= 300, len(junk)
     server_log = results[0][2]
     assert "answered a challenge this server did not send" in server_log, server_log[-3000:]
     fuzzed = [x for x in results[1][2].splitlines() if x.startswith("fuzz sent 1500")]
     assert fuzzed, results[1][2][-3000:]
-    dropped = server_log.count("it could not decode") + server_log.count("unknown type")
+    drops = (
+        "it could not decode",
+        "unknown type",
+        "does not wait for",
+        "not a reply of the protocol",
+        "only this process",
+    )
+    dropped = sum(server_log.count(x) for x in drops)
+    assert all(x in server_log for x in drops[3:]), server_log[-3000:]
     assert dropped >= 1000, (dropped, fuzzed)
     assert "RuntimeError" not in server_log and "Traceback" not in server_log
     # and the run is the uninterrupted run's

@@ -415,7 +415,7 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
     procs = [launch(0), launch(1)]  # rank 2 starts after the attacks: the job waits for it meanwhile
     marker = tmp_path / "pwned"
     key = (tmp_path / "job.key").read_text().encode()
-    job = job_identity(cfg, key, table)  # what anyone on the plaintext network reads in a header
+    job = job_identity(cfg, key)  # what anyone on the plaintext network reads in a header
     stranger = Sealer(JobSecurity(job=job, key=b"x" * 64, tls=None), 1)
     member = Sealer(JobSecurity(job=job, key=key, tls=None), 7)
     tampered = bytearray(Sealer(JobSecurity(job=job, key=key, tls=None), 1).seal(0, b"\x00" * 64))

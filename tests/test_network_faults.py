@@ -7,8 +7,8 @@ throttles their traffic, and processes are killed and restarted. Every scenario 
 exactly the simulator's model (``run_local`` on the same split and seed) within a bounded time.
 
 The runtime's waiting budgets are left at the defaults a user gets (``FEDML_SSFL_ROUND_TIMEOUT``
-3600 s, ``FEDML_SSFL_CONNECT_TIMEOUT`` 300 s, ``FEDML_SSFL_PROBE_INTERVAL`` 5 s,
-``FEDML_SSFL_IDLE_TIMEOUT`` 6 h, ``FEDML_SSFL_FINISH_GRACE`` 30 s: the test runner's own values
+3600 s, ``FEDML_SSFL_CONNECT_TIMEOUT`` 300 s, ``FEDML_SSFL_OUTAGE_BUDGET`` 120 s, ``FEDML_SSFL_HEARTBEAT_INTERVAL``
+5 s, ``FEDML_SSFL_IDLE_TIMEOUT`` 6 h, ``FEDML_SSFL_FINISH_GRACE`` 30 s: the test runner's own values
 are removed); each scenario's wall-clock bound is the test's, and a run that has not ended by then
 is killed and reported with every process's output.
 """
@@ -27,6 +27,7 @@ import pytest
 from fedml_ssfl.checkpoint import load_checkpoint
 from fedml_ssfl.config import load_config
 from fedml_ssfl.experiment import export_deployment
+from fedml_ssfl.runtime.fedml.worker import saved_rounds
 from fedml_ssfl.runtime.local import run_local
 from tests.conftest import SMALL
 from tests.netlab import Proc
@@ -42,7 +43,8 @@ PORT = 8890
 BUDGETS = (
     "FEDML_SSFL_ROUND_TIMEOUT",
     "FEDML_SSFL_CONNECT_TIMEOUT",
-    "FEDML_SSFL_PROBE_INTERVAL",
+    "FEDML_SSFL_OUTAGE_BUDGET",
+    "FEDML_SSFL_HEARTBEAT_INTERVAL",
     "FEDML_SSFL_IDLE_TIMEOUT",
     "FEDML_SSFL_FINISH_GRACE",
 )
@@ -164,8 +166,9 @@ class Job:
         return self._rounds(self.run_dir / "checkpoints" / "last.pt")
 
     def saved(self, silo: int) -> int:
-        """Rounds silo ``silo``'s own state file holds (0: none yet)."""
-        return self._rounds(self.run_dir / f"silo_{silo}" / "checkpoints" / "silo_state.pt")
+        """The newest round silo ``silo`` saved its state after (0: none yet)."""
+        rounds = saved_rounds(self.run_dir / f"silo_{silo}" / "checkpoints")
+        return max(rounds, default=-1) + 1
 
     def _rounds(self, path: Path) -> int:
         try:

@@ -53,6 +53,7 @@ from .transports import (
     SESSION,
     TRANSPORT,
     VERIFIED,
+    WATCHDOG,
     WELCOME,
     make_comm,
 )
@@ -60,7 +61,6 @@ from .wire import WireMeter
 
 log = logging.getLogger(__name__)
 
-WATCHDOG = "ssfl_watchdog"
 CHALLENGES_KEPT = 4  # per worker, the newest challenges that may still be answered
 LINGER_BEATS = 3
 """A process that fails before a peer joined keeps its port open this many heartbeat intervals, so
@@ -248,7 +248,15 @@ class SSFLServerManager(FedMLServerManager):
         payload = unwrap(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         sender = int(msg_params.get_sender_id())
         rt = self.runtime
-        if isinstance(payload, (Reply, Failure)) and (payload.round != rt.round or sender not in rt.awaiting):
+        if not isinstance(payload, (Reply, Failure)):
+            log.warning(
+                "round %d: dropped rank %d's upload: a %s, not a reply of the protocol",
+                rt.round + 1,
+                sender,
+                type(payload).__name__,
+            )
+            return
+        if payload.round != rt.round or sender not in rt.awaiting:
             log.warning(
                 "round %d: dropped rank %d's answer for round %d, which this round does not wait for "
                 "(sent before a restart, or twice)",

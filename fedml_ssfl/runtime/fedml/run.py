@@ -92,7 +92,7 @@ def run_fedml(
     else:
         rank, table = grpc_rank(cfg, rank, role)
         peers = [ip for ip, _ in table.values()]
-        security = load_security(cfg, rank, table)
+        security = load_security(cfg, rank)
         if security.tls is not None:
             host = table[rank][0]
             name = security.tls.server_name or host

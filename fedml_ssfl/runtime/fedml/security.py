@@ -4,8 +4,8 @@ A GRPC message between ranks travels as a *sealed envelope*::
 
     SSFLSEAL1 | 4-byte header length | header (JSON) | payload (a wire message) | HMAC-SHA256 tag
 
-The header names the job (:func:`job_identity`: the run id, or a digest of the job key and the
-job's shared config when the run id is empty, so it is never empty), the sender and receiver
+The header names the job (:func:`job_identity`: the run id, or a digest of the job key when the
+run id is empty, so it is never empty), the sender and receiver
 ranks, the sender's session (a fresh random nonce per process), a sequence number and the
 envelope's kind: ``h`` (a handshake message), ``m`` (a message of the run) or ``b`` (a heartbeat).
 The receiver drops, and logs naming the peer, an envelope that is too large, not an envelope,
@@ -169,7 +169,7 @@ def job_key(cfg: ExperimentConfig) -> bytes | None:
 _KEY_FIX = "make one with `openssl rand -hex 32` (deploy/make_test_certs.sh writes job.key)"
 
 
-def load_security(cfg: ExperimentConfig, rank: int, table: dict[int, tuple[str, int]] | None = None) -> JobSecurity:
+def load_security(cfg: ExperimentConfig, rank: int) -> JobSecurity:
     """TLS files and the job key for ``rank``, checked before anything binds a port.
 
     Raises
@@ -185,7 +185,7 @@ def load_security(cfg: ExperimentConfig, rank: int, table: dict[int, tuple[str, 
             "comm_args.insecure: GRPC runs in plaintext; anyone on the network can read the models%s",
             "" if key else f", and with no job key ({KEY_ENV}) anyone who reaches a port can send messages",
         )
-        return JobSecurity(job=job_identity(cfg, key, table), key=key, tls=None)
+        return JobSecurity(job=job_identity(cfg, key), key=key, tls=None)
     missing = [f"comm_args.{k}" for k, v in named.items() if not v]
     if key is None:
         missing.append(f"comm_args.job_key_file (or {KEY_ENV})")
@@ -201,19 +201,21 @@ def load_security(cfg: ExperimentConfig, rank: int, table: dict[int, tuple[str, 
         cert_file=files["tls_cert"],
         key_file=files["tls_key"],
     )
-    return JobSecurity(job=job_identity(cfg, key, table), key=key, tls=tls)
+    return JobSecurity(job=job_identity(cfg, key), key=key, tls=tls)
 
 
-def job_identity(cfg: ExperimentConfig, key: bytes | None, table: dict[int, tuple[str, int]] | None = None) -> str:
+def job_identity(cfg: ExperimentConfig, key: bytes | None) -> str:
     """The job's name in every envelope: ``common_args.run_id``, or (when it is empty) a digest of the
-    job key and the ranks' addresses (``table``: rank -> (host, port)). Never empty.
+    job key. Never empty.
 
-    The rest of the config is left out on purpose: a worker started with another seed must reach the
-    handshake, which names the keys that differ (:func:`membership_diff`)."""
+    Nothing else goes in: the rest of the config may differ between the processes of a job where it is
+    local (the ipconfig's path and rows, behind NAT or a proxy), and a worker started with another seed
+    must reach the handshake, which names the keys that differ (:func:`membership_diff`). What keeps a
+    process from taking messages of an earlier process of the same job (or of another job under the
+    same key) is the handshake's fresh challenge and the admitted sessions, not this name."""
     if cfg.common_args.run_id:
         return cfg.common_args.run_id
-    text = json.dumps(sorted((table or {}).items()), default=str).encode()
-    return "job-" + hashlib.sha256(b"ssfl-job|" + (key or b"") + b"|" + text).hexdigest()[:24]
+    return "job-" + hashlib.sha256(b"ssfl-job|" + (key or b"")).hexdigest()[:24]
 
 
 # ---- membership -----------------------------------------------------------------------------

@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 
 TRANSPORT = "ssfl_transport"
 """A local message from the transport to its manager (params ``event``, ``peer``, ``label``, ``cause``)."""
+WATCHDOG = "ssfl_watchdog"
+"""A local message from a manager's watchdog thread to its message thread (a verdict, a check, a hello)."""
 WELCOME = "ssfl_welcome"
 """Server -> worker: the worker's ONLINE answered this challenge; its session is admitted."""
 CHALLENGE, CLIENT_SESSION, VERIFIED = "ssfl_challenge", "ssfl_client_session", "ssfl_verified"
@@ -71,6 +73,8 @@ SESSION, KIND = "ssfl_session", "ssfl_kind"
 """Set by the receiving transport on every message: the envelope's session and kind (a peer's own
 values for these keys are overwritten)."""
 MEMBERSHIP, PROOF, REFUSED, FAILED = "ssfl_membership", "ssfl_proof", "ssfl_refused", "ssfl_failed"
+LOCAL_TYPES = frozenset({TRANSPORT, WATCHDOG, MyMessage.MSG_TYPE_CONNECTION_IS_READY})
+"""Message types a process says only to itself (its transport's and watchdog's verdicts): never taken from a peer."""
 
 ENVELOPE_BYTES = 4 + 16 + MAX_HEADER_BYTES + 32  # magic, length, header, tag: over the payload's limit
 GRPC_MAX_BYTES = 2**31 - 1  # protobuf and gRPC carry no more in one message
@@ -266,6 +270,15 @@ class QuietGrpcComm(GRPCCommManager):
                 peer,
                 opened.sender,
                 claimed,
+            )
+            return None
+        if msg.get_type() in LOCAL_TYPES:
+            log.warning(
+                "rank %d dropped a message from %s (rank %d) of type %r, which only this process may send",
+                self.client_rank,
+                peer,
+                opened.sender,
+                msg.get_type(),
             )
             return None
         msg.add_params(SESSION, opened.session)
