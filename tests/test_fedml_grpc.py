@@ -349,6 +349,19 @@ REPLAYING_CLIENT = textwrap.dedent(
         return envelope
 
     security.Sealer.seal = seal
+
+    # a long update (round 2): only the heartbeats show the server this rank is alive meanwhile
+    import time
+    from fedml_ssfl.algorithms.fedavg_ssl import FedAvgSSL
+
+    update = FedAvgSSL.client_update
+
+    def slow(self, msg, data, state, ctx):
+        if ctx.round_idx == 1:
+            time.sleep(10)
+        return update(self, msg, data, state, ctx)
+
+    FedAvgSSL.client_update = slow
     sys.exit(main(sys.argv[1:-1]))
     """
 )
@@ -394,14 +407,17 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
     an oversized and a replayed message, sent to the server's and a client's port while a run is in
     progress, and two requests on each port that never finish: nothing executes, each is dropped
     (logged naming the peer, the oversized ones refused by gRPC before they are read: the server's
-    memory stays flat under a 256 MiB message), the stalled ones hold no thread, the run completes."""
+    memory stays flat under a 256 MiB message), the stalled ones hold no thread, the run completes.
+    Rank 1's update of round 2 takes 10 s, over the 6 s outage budget: its heartbeats keep it in."""
     from fedml_ssfl.runtime.fedml.launch import read_ipconfig
     from fedml_ssfl.runtime.fedml.security import JobSecurity, Sealer, job_identity
 
     cfg = grpc_config(tmp_path, 3, "train_args.comm_round=6", "common_args.run_name=attacked")
     table = read_ipconfig(tmp_path / "ipconfig.csv")
     ports = [p for _, p in table.values()]
-    environ = env(FEDML_SSFL_MAX_MESSAGE_BYTES=str(2 * 2**20))
+    environ = env(
+        FEDML_SSFL_MAX_MESSAGE_BYTES=str(2 * 2**20), FEDML_SSFL_OUTAGE_BUDGET="6", FEDML_SSFL_HEARTBEAT_INTERVAL="1"
+    )
     launcher = tmp_path / "replay.py"
     launcher.write_text(REPLAYING_CLIENT)
 
