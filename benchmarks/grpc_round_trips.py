@@ -1,9 +1,9 @@
 """What a GRPC deployment round costs in round trips: rounds timed at several one-way delays on a lab network.
 
-A deployment-mode job (the server and two silos, both training every round, cnn28 on the shipped
-digits, mutual TLS and a job key) runs on the network lab of the tests (``tests/netlab.py``: each
-process in a network namespace of its own, a user-space hub between them) with the same one-way
-delay on both silos' links, for each delay given. A round's ``seconds`` (``metrics.jsonl``: from the
+A deployment-mode job (the server and ``--silos`` silos, all training every round, cnn28 on the
+shipped digits, mutual TLS and a job key) runs on the network lab of the tests (``tests/netlab.py``:
+each process in a network namespace of its own, a user-space hub between them) with the same
+one-way delay on every silo's link, for each delay given. A round's ``seconds`` (``metrics.jsonl``: from the
 server step through the tasks, the silos' updates and the replies to the aggregation) grows by one
 round trip (2 x the delay) for each exchange a round waits for; so
 
@@ -12,9 +12,9 @@ round trip (2 x the delay) for each exchange a round waits for; so
 over the rounds after the first. ``--code DIR`` runs another checkout's fedml_ssfl (e.g. an older
 commit's, extracted with ``git archive``) for a comparison. Needs root (network namespaces).
 
-Writes ``benchmarks/results/grpc_round_trips[_<label>].json`` and ``.md``. Usage::
+Writes ``benchmarks/results/grpc_round_trips_<silos>silos[_<label>].json`` and ``.md``. Usage::
 
-    python benchmarks/grpc_round_trips.py [--delays 0 0.3 1.0] [--rounds 5] [--code DIR --label before]
+    python benchmarks/grpc_round_trips.py [--delays 0 0.3 1.0] [--rounds 5] [--silos 2] [--code DIR --label before]
 """
 
 from __future__ import annotations
@@ -38,17 +38,18 @@ from fedml_ssfl.experiment import export_deployment  # noqa: E402
 from tests.conftest import SMALL  # noqa: E402
 from tests.netlab import Lab  # noqa: E402
 
-HOSTS = ["server", "silo0", "silo1"]
 SUBNET = "10.203.0"
+HOSTS: list[str] = []
 
 
-def job_config(tmp: Path, rounds: int) -> Path:
+def job_config(tmp: Path, rounds: int, silos: int) -> Path:
+    HOSTS[:] = ["server", *(f"silo{k}" for k in range(silos))]
     sim = load_config(
         None,
         [
             *SMALL,
-            "train_args.client_num_in_total=2",
-            "train_args.client_num_per_round=2",
+            f"train_args.client_num_in_total={silos}",
+            f"train_args.client_num_per_round={silos}",
             f"train_args.comm_round={rounds}",
             "ssfl_args.algorithm=fedavg_ssl",
             "device_args.num_threads=1",
@@ -85,7 +86,7 @@ def one_run(tmp: Path, config: Path, delay: float, code: Path, timeout: float) -
     name = f"delay_{delay:g}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDML_SSFL_")}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(code))
-    cli = [sys.executable, "-m", "fedml_ssfl"]
+    cli = [str(Path(sys.executable).parent / "fedml-ssfl")]  # not -m: the working folder would shadow PYTHONPATH
     with Lab(HOSTS, tmp / f"lab_{name}", subnet=SUBNET) as lab:
         for silo in HOSTS[1:]:
             lab.link(silo).set(delay=delay)
@@ -111,6 +112,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 0.3, 1.0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--silos", type=int, default=2)
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose fedml_ssfl the processes run")
     ap.add_argument("--label", default="")
     ap.add_argument("--timeout", type=float, default=600)
@@ -118,7 +120,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="a1rt-") as tmp:
         tmp = Path(tmp)
-        config = job_config(tmp, args.rounds)
+        config = job_config(tmp, args.rounds, args.silos)
         for delay in sorted(set(args.delays) | {0.0}):
             results.append(one_run(tmp, config, delay, args.code.resolve(), args.timeout))
             print(json.dumps(results[-1]), flush=True)
@@ -131,14 +133,15 @@ def main() -> None:
                 r["round_trips_per_round"] = round((r["median_round_s"] - base_median) / (2 * r["delay_s"]), 2)
     load = os.getloadavg()
     out = {
-        "what": "GRPC deployment rounds (server + 2 silos, both training) at one-way delays on both silos' links",
+        "what": f"GRPC deployment rounds (server + {args.silos} silos, all training) at one-way delays on "
+        "the silos' links",
         "code": str(args.code.resolve()),
         "rounds": args.rounds,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "load_average_at_end": [round(x, 2) for x in load],
         "runs": results,
     }
-    suffix = f"_{args.label}" if args.label else ""
+    suffix = f"_{args.silos}silos" + (f"_{args.label}" if args.label else "")
     dest = ROOT / "benchmarks" / "results" / f"grpc_round_trips{suffix}"
     dest.with_suffix(".json").write_text(json.dumps(out, indent=2) + "\n")
     lines = [
