@@ -294,13 +294,14 @@ def test_captured_envelopes_replayed_after_a_resume_and_a_fuzzing_member_change_
         return spawn([*cmd, *via], {**environ, "SSFL_TEST_FUZZ": str(fuzz)}, log)
 
     proxy = Proxy(tmp_path / "certs", proxy_port, ports[0])
+    procs: list[subprocess.Popen | None] = []
     try:
         # the first process of the job: two rounds, every envelope of rank 1 recorded on the way
         first = reap([launch(0, "--stop-after", "2"), launch(1), launch(2)], TIMEOUT)
         for rank, (code, _, stderr) in enumerate(first):
             assert code == 0, f"rank {rank}: {stderr[-4000:]}"
         captured = list(proxy.seen)
-        assert len(captured) >= 5, len(captured)  # hellos, the handshake's answer, replies, heartbeats, FINISHED
+        assert len(captured) >= 4, len(captured)  # the handshake, two replies, FINISHED (and heartbeats)
 
         # --resume: the server and rank 2 start, the attacker replays everything before rank 1 is back
         run_dir = cfg.run_dir()
