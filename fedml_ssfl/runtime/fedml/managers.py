@@ -225,6 +225,9 @@ class SSFLServerManager(FedMLServerManager):
         rt = self.runtime
         silos = rt.routing()
         silo = silos[rank - 1] if 1 <= rank <= len(silos) else "?"
+        if rt.done:  # it missed the end: tell it again
+            self.send_message_diff_sync_model_to_client(rank, Finish(), silo)
+            return
         try:
             task = rt.rejoin(rank)
         except RuntimeError as exc:
@@ -343,7 +346,7 @@ class SSFLServerManager(FedMLServerManager):
                 self.check(peer)  # it restarted (or this server did): the handshake again
             return
         cause, label = msg_params.get("cause"), msg_params.get("label")
-        if self.failing:
+        if self.failing or self.runtime.done:  # the end could not be told: the run is over all the same
             self.dead.add(peer)
             self._maybe_finish()
             return
@@ -363,6 +366,11 @@ class SSFLServerManager(FedMLServerManager):
             for rank in msg_params.get("ranks") or ():
                 self.check(int(rank))
         elif action == "finish" and self.failing:
+            self._maybe_finish()
+        elif action == "gone":
+            log.warning(
+                "the run is over; ranks %s did not acknowledge its end and were not heard from", sorted(self.dead)
+            )
             self._maybe_finish()
 
     def force_stop(self):
@@ -423,6 +431,17 @@ class SSFLServerManager(FedMLServerManager):
                 elif self.grpc and missing and now - last_check >= limits.heartbeat:
                     last_check = now
                     self._inject(action="check", ranks=missing)
+                continue
+            if rt.done and self.grpc:  # the end was sent: a worker that never acknowledges it is let go
+                gone = [
+                    r
+                    for r in self.client_real_ids
+                    if r not in self.finished | self.dead
+                    and now - self.com_manager.heard.get(r, self.t_start) > limits.outage
+                ]
+                if gone:
+                    reported = True
+                    self._inject(action="gone", dead=gone)
                 continue
             waiting = rt.outstanding()
             if waiting and now - rt.round_started > limits.round:
