@@ -219,3 +219,30 @@ def resize_disk(disk: Path, size: int) -> None:
 def disk_used(disk: Path) -> int:
     st = os.statvfs(disk)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+@pytest.fixture
+def make_lab(tmp_path):
+    """``make_lab(hosts)``: a network lab (tests/netlab.py) torn down after the test, whatever happens.
+
+    Skips, naming why, only where this machine refuses network namespaces (``ip netns add`` fails).
+    """
+    from tests.netlab import Lab, NamespacesRefused, terminate_as_interrupt
+
+    labs = []
+
+    def make(hosts: list[str], **kwargs):
+        lab = Lab(hosts, tmp_path / f"lab{len(labs)}", **kwargs)
+        try:
+            lab.start()
+        except NamespacesRefused as exc:
+            pytest.skip(f"network namespaces refused: {exc}")
+        labs.append(lab)
+        return lab
+
+    with terminate_as_interrupt():
+        try:
+            yield make
+        finally:
+            for lab in labs:
+                lab.close()

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -181,13 +182,21 @@ def test_grpc_client_process_that_dies_is_detected(tmp_path):
     launcher.write_text(DYING_CLIENT)
     t0 = time.monotonic()
     results = finish(
-        start([sys.executable, str(launcher)], tmp_path / "c.yaml", 2, env(FEDML_SSFL_PROBE_INTERVAL="1")), TIMEOUT
+        start(
+            [sys.executable, str(launcher)],
+            tmp_path / "c.yaml",
+            2,
+            env(FEDML_SSFL_OUTAGE_BUDGET="10", FEDML_SSFL_HEARTBEAT_INTERVAL="1"),
+        ),
+        TIMEOUT,
     )
     (server_code, _, server_err), (client_code, _, _) = results
     assert client_code == 3
     assert server_code == 1, server_err[-4000:]
     summary = json.loads((cfg.run_dir() / "summary.json").read_text())
-    assert summary["status"] == "failed" and "rank 1 (silo" in summary["error"] and "unreachable" in summary["error"]
+    error = summary["error"]
+    assert summary["status"] == "failed" and "rank 1 (silo" in error and "was not heard from for" in error, error
+    assert "FEDML_SSFL_OUTAGE_BUDGET 10 s" in error and "connection refused at 127.0.0.1:" in error, error
     assert "rank 1 (silo" in server_err and "error:" in server_err
     assert load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["round"] == 0
     assert time.monotonic() - t0 < TIMEOUT
@@ -210,7 +219,7 @@ def test_a_stalled_grpc_client_ends_the_run_in_bounded_time(tmp_path):
         [sys.executable, str(launcher)],
         tmp_path / "c.yaml",
         2,
-        env(FEDML_SSFL_ROUND_TIMEOUT="15", FEDML_SSFL_PROBE_INTERVAL="1", FEDML_SSFL_FINISH_GRACE="5"),
+        env(FEDML_SSFL_ROUND_TIMEOUT="15", FEDML_SSFL_HEARTBEAT_INTERVAL="1", FEDML_SSFL_FINISH_GRACE="5"),
     )
     try:
         ((server_code, _, server_err),) = finish([server], 150)
@@ -326,9 +335,10 @@ REPLAYING_CLIENT = textwrap.dedent(
 
     original, sent = security.Sealer.seal, []
 
-    def seal(self, receiver, payload):
-        envelope = original(self, receiver, payload)
-        sent.append(envelope)
+    def seal(self, receiver, payload, kind=security.MESSAGE):
+        envelope = original(self, receiver, payload, kind)
+        if kind != security.BEAT:
+            sent.append(envelope)
         if len(sent) == 3:
             with grpc.insecure_channel(sys.argv[-1]) as channel:
                 stub = grpc_comm_manager_pb2_grpc.gRPCCommManagerStub(channel)
@@ -339,21 +349,75 @@ REPLAYING_CLIENT = textwrap.dedent(
         return envelope
 
     security.Sealer.seal = seal
+
+    # a long update (round 2): only the heartbeats show the server this rank is alive meanwhile
+    import time
+    from fedml_ssfl.algorithms.fedavg_ssl import FedAvgSSL
+
+    update = FedAvgSSL.client_update
+
+    def slow(self, msg, data, state, ctx):
+        if ctx.round_idx == 1:
+            time.sleep(10)
+        return update(self, msg, data, state, ctx)
+
+    FedAvgSSL.client_update = slow
     sys.exit(main(sys.argv[1:-1]))
     """
 )
 
 
+def stalled_request(port: int, declared: int = 2**20, sent: int = 16) -> socket.socket:
+    """A gRPC call to ``sendMessage`` over plaintext HTTP/2 whose message never completes: the request's
+    headers and the first ``sent`` of ``declared`` bytes, then nothing (the socket is kept open)."""
+
+    def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+    def header(name: str, value: str) -> bytes:  # HPACK: literal, not indexed, no Huffman
+        return b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    block = b"".join(
+        header(k, v)
+        for k, v in (
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/gRPCCommManager/sendMessage"),
+            (":authority", f"127.0.0.1:{port}"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        )
+    )
+    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"") + frame(4, 1, 0, b""))
+    s.sendall(frame(1, 4, 1, block) + frame(0, 0, 1, b"\x00" + struct.pack(">I", declared) + b"\x00" * sent))
+    return s
+
+
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (``VmRSS``) or its peak (``VmHWM``), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
 def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_run_completes(tmp_path):
     """A pickle that would write a file, bytes that are no message, a forged, a tampered, an unknown-rank,
     an oversized and a replayed message, sent to the server's and a client's port while a run is in
-    progress: nothing executes, each is dropped and logged naming the peer, the run completes."""
+    progress, and two requests on each port that never finish: nothing executes, each is dropped
+    (logged naming the peer, the oversized ones refused by gRPC before they are read: the server's
+    memory stays flat under a 256 MiB message), the stalled ones hold no thread, the run completes.
+    Rank 1's update of round 2 takes 10 s, over the 6 s outage budget: its heartbeats keep it in."""
     from fedml_ssfl.runtime.fedml.launch import read_ipconfig
-    from fedml_ssfl.runtime.fedml.security import JobSecurity, Sealer
+    from fedml_ssfl.runtime.fedml.security import JobSecurity, Sealer, job_identity
 
     cfg = grpc_config(tmp_path, 3, "train_args.comm_round=6", "common_args.run_name=attacked")
-    ports = [p for _, p in read_ipconfig(tmp_path / "ipconfig.csv").values()]
-    environ = env(FEDML_SSFL_MAX_MESSAGE_BYTES=str(2 * 2**20))
+    table = read_ipconfig(tmp_path / "ipconfig.csv")
+    ports = [p for _, p in table.values()]
+    environ = env(
+        FEDML_SSFL_MAX_MESSAGE_BYTES=str(2 * 2**20), FEDML_SSFL_OUTAGE_BUDGET="6", FEDML_SSFL_HEARTBEAT_INTERVAL="1"
+    )
     launcher = tmp_path / "replay.py"
     launcher.write_text(REPLAYING_CLIENT)
 
@@ -367,9 +431,10 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
     procs = [launch(0), launch(1)]  # rank 2 starts after the attacks: the job waits for it meanwhile
     marker = tmp_path / "pwned"
     key = (tmp_path / "job.key").read_text().encode()
-    stranger = Sealer(JobSecurity(job="", key=b"x" * 64, tls=None), 1)
-    member = Sealer(JobSecurity(job="", key=key, tls=None), 7)
-    tampered = bytearray(Sealer(JobSecurity(job="", key=key, tls=None), 1).seal(0, b"\x00" * 64))
+    job = job_identity(cfg, key)  # what anyone on the plaintext network reads in a header
+    stranger = Sealer(JobSecurity(job=job, key=b"x" * 64, tls=None), 1)
+    member = Sealer(JobSecurity(job=job, key=key, tls=None), 7)
+    tampered = bytearray(Sealer(JobSecurity(job=job, key=key, tls=None), 1).seal(0, b"\x00" * 64))
     tampered[-40] ^= 1
     attacks = {
         "pickle": pickle.dumps(_Pwned(marker)),
@@ -377,16 +442,24 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
         "forged": stranger.seal(0, b"\x00" * 64),
         "tampered": bytes(tampered),
         "unknown rank": member.seal(0, b"\x00" * 64),
-        "oversized": b"\x00" * (3 * 2**20),  # over the limit, within twice it: read, refused by name
     }
-    answers = {}
+    answers, stalled = {}, []
     for port, proc in zip(ports, procs):
         wait_for_port(port, proc)
+        stalled += [stalled_request(port), stalled_request(port)]  # as many as the old thread pool had
         for name, payload in attacks.items():
             answers[port, name] = send_raw(port, payload)
-    huge = send_raw(ports[0], b"\x00" * (5 * 2**20))
+    time.sleep(1)
+    before = rss_mib(procs[0].pid)
+    over = send_raw(ports[0], b"\x00" * (3 * 2**20))  # the limit is 2 MiB: gRPC refuses it unread
+    huge = send_raw(ports[0], b"\x00" * (256 * 2**20))
+    peak = rss_mib(procs[0].pid, "VmHWM")
     procs.append(launch(2))
-    results = finish(procs, TIMEOUT)
+    try:
+        results = finish(procs, TIMEOUT)
+    finally:
+        for s in stalled:
+            s.close()
     for rank, (code, stdout, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
     assert not marker.exists()
@@ -394,16 +467,24 @@ def test_hostile_messages_on_the_grpc_ports_are_dropped_naming_the_peer_and_the_
     assert set(answers.values()) == {"PERMISSION_DENIED"}, {
         k: v for k, v in answers.items() if v != "PERMISSION_DENIED"
     }
-    assert huge == "RESOURCE_EXHAUSTED"  # past twice the limit gRPC refuses it unread
+    assert over == huge == "RESOURCE_EXHAUSTED"
+    assert peak - before < 64, (before, peak)  # the 256 MiB were never buffered
     server_log, client_log = results[0][2], results[1][2]
     for log_text, rank in ((server_log, 0), (client_log, 1)):
         dropped = [x for x in log_text.splitlines() if f"rank {rank} dropped a message from ipv4:127.0.0.1:" in x]
-        for reason in ("not a sealed message", "bad tag", "oversized"):
-            assert sum(reason in x for x in dropped) >= (2 if reason == "bad tag" else 1), (reason, dropped)
+        assert sum("bad tag" in x for x in dropped) >= 2, dropped
         assert sum("not a sealed message" in x for x in dropped) == 2, dropped  # the pickle and the junk
     assert any("unknown rank 7" in x for x in server_log.splitlines()), server_log[-3000:]
     assert "replayed: rank 1's message 1 was already received" in server_log, server_log[-3000:]
-    assert "replay answered PERMISSION_DENIED" in client_log
+    assert "replay answered ALREADY_EXISTS" in client_log
+
+
+def test_the_byte_cap_is_the_configured_limit_and_at_most_what_grpc_carries():
+    from fedml_ssfl.runtime.fedml.transports import ENVELOPE_BYTES, grpc_byte_cap
+    from fedml_ssfl.runtime.fedml.wire import DEFAULT_MAX_MESSAGE_BYTES
+
+    assert grpc_byte_cap(2 * 2**20) == 2 * 2**20 + ENVELOPE_BYTES < 3 * 2**20
+    assert grpc_byte_cap(DEFAULT_MAX_MESSAGE_BYTES) == 2**31 - 1
 
 
 def test_tls_refuses_a_peer_without_a_certificate_of_the_jobs_ca(tmp_path):
@@ -460,12 +541,14 @@ def test_strangers_are_refused_naming_what_differs(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=environ,
+            env=environ if r != 1 else {**environ, "FEDML_SSFL_CONNECT_TIMEOUT": "240"},  # it waits for the server
         )
         for r in range(3)
     ]
     (server, _, server_err), (code1, _, err1), (code2, _, err2) = finish(procs, TIMEOUT)
     assert code1 != 0 and "bad tag" in err1 and "Traceback" not in err1, err1[-3000:]
+    line1 = next(x for x in err1.splitlines() if "error:" in x)
+    assert "could not deliver a status to the server (rank 0)" in line1 and "PERMISSION_DENIED" in line1, line1
     assert code2 == 2 and "Traceback" not in err2, err2[-3000:] + "\n--- server:\n" + server_err[-4000:]
     line2 = next(x for x in err2.splitlines() if "error:" in x)
     assert "refused" in line2 and "common_args.random_seed (server 0, rank 2 1)" in line2, line2
@@ -511,16 +594,17 @@ def test_the_transport_binds_without_port_sharing(tmp_path):
     from types import SimpleNamespace
 
     from fedml_ssfl.config import ConfigError
+    from fedml_ssfl.runtime.fedml.launch import timeouts
     from fedml_ssfl.runtime.fedml.security import JobSecurity
     from fedml_ssfl.runtime.fedml.transports import QuietGrpcComm
     from fedml_ssfl.runtime.fedml.wire import WireMeter
 
     (port,) = free_ports(1)
-    args = SimpleNamespace(ssfl_grpc_table={0: ("127.0.0.1", port)}, ssfl_security=JobSecurity("", None, None))
+    args = SimpleNamespace(ssfl_grpc_table={0: ("127.0.0.1", port)}, ssfl_security=JobSecurity("j", None, None))
 
     def comm():
         return QuietGrpcComm(
-            grpc_ipconfig_path="", client_rank=0, client_num=1, args=args, meter=WireMeter(), connect_timeout=5
+            grpc_ipconfig_path="", client_rank=0, client_num=1, args=args, meter=WireMeter(), limits=timeouts()
         )
 
     first = comm()

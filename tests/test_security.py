@@ -7,11 +7,16 @@ import pytest
 
 from fedml_ssfl.config import ConfigError, load_config
 from fedml_ssfl.runtime.fedml.security import (
+    BEAT,
+    HELLO,
     KEY_ENV,
+    Duplicate,
     JobSecurity,
+    NotAdmitted,
     Opener,
     Refused,
     Sealer,
+    job_identity,
     load_security,
     membership,
     membership_diff,
@@ -21,15 +26,45 @@ from fedml_ssfl.runtime.fedml.security import (
 KEY = b"k" * 64
 
 
-def pair(key: bytes | None = KEY, job: str = "job-1") -> tuple[Sealer, Opener]:
+def pair(key: bytes | None = KEY, job: str = "job-1", admitted: bool = True) -> tuple[Sealer, Opener]:
     sec = JobSecurity(job=job, key=key, tls=None)
-    return Sealer(sec, 1), Opener(sec, 0, {1, 2}, limit=10_000)
+    sealer, opener = Sealer(sec, 1), Opener(sec, 0, {1, 2}, limit=10_000)
+    if admitted:
+        opener.admit(1, sealer.session)
+    return sealer, opener
 
 
-def test_a_sealed_message_opens_to_its_sender_and_payload():
+def test_a_sealed_message_opens_to_its_sender_session_and_payload():
     sealer, opener = pair()
-    sender, payload = opener.open(sealer.seal(0, b"payload"))
-    assert sender == 1 and bytes(payload) == b"payload"
+    opened = opener.open(sealer.seal(0, b"payload"))
+    assert opened.sender == 1 and bytes(opened.payload) == b"payload"
+    assert opened.session == sealer.session and len(sealer.session) == 32 and opened.kind == "m"
+
+
+def test_only_handshakes_pass_before_a_session_is_admitted_and_an_admission_replaces_the_session():
+    sealer, opener = pair(admitted=False)
+    assert opener.open(sealer.seal(0, b"online", HELLO)).kind == HELLO
+    for kind in ("m", BEAT):
+        with pytest.raises(NotAdmitted, match="has not completed the handshake"):
+            opener.open(sealer.seal(0, b"x", kind))
+    opener.admit(1, sealer.session)
+    assert opener.open(sealer.seal(0, b"x")).sender == 1
+    restarted = Sealer(sealer.security, 1)  # rank 1 again, a new process: refused until admitted
+    with pytest.raises(NotAdmitted):
+        opener.open(restarted.seal(0, b"x"))
+    assert opener.admit(1, restarted.session) == sealer.session
+    assert bytes(opener.open(restarted.seal(0, b"y")).payload) == b"y"
+    with pytest.raises(NotAdmitted):  # the old process is not heard any more
+        opener.open(sealer.seal(0, b"z"))
+
+
+def test_the_job_identity_is_the_run_id_or_a_digest_of_the_key_never_empty():
+    cfg = grpc_cfg()
+    a, b = job_identity(cfg, KEY), job_identity(cfg, b"o" * 64)
+    assert a.startswith("job-") and len(a) > 20 and a != b
+    assert job_identity(grpc_cfg("common_args.random_seed=3"), KEY) == a  # the handshake names that
+    assert job_identity(grpc_cfg("common_args.run_id=r7"), KEY) == "r7"
+    assert job_identity(cfg, None).startswith("job-")
 
 
 @pytest.mark.parametrize("position", [0, 20, 40, -40, -1])
@@ -53,15 +88,19 @@ def test_a_replay_is_refused_even_out_of_order():
     opener.open(second)
     opener.open(first)  # late, but new
     for again in (first, second):
-        with pytest.raises(Refused, match="replayed: rank 1's message"):
+        with pytest.raises(Duplicate, match="replayed: rank 1's message"):
             opener.open(again)
+    hello = sealer.seal(0, b"h", HELLO)
+    opener.open(hello)
+    with pytest.raises(Duplicate):  # handshake envelopes too, within their session
+        opener.open(hello)
 
 
 def test_a_second_process_claiming_a_rank_is_refused():
     sealer, opener = pair()
     opener.open(sealer.seal(0, b"a"))
-    impostor = Sealer(sealer.security, 1)  # same key, same rank, another process
-    with pytest.raises(Refused, match="a second process claims rank 1"):
+    impostor = Sealer(sealer.security, 1)  # same key, same rank, another process, not admitted
+    with pytest.raises(NotAdmitted):
         opener.open(impostor.seal(0, b"a"))
 
 
@@ -82,7 +121,7 @@ def test_unknown_rank_wrong_receiver_other_job_and_oversized_are_refused():
 def test_without_a_key_envelopes_still_carry_rank_and_replay_checks():
     sealer, opener = pair(key=None)
     data = sealer.seal(0, b"a")
-    assert opener.open(data)[0] == 1
+    assert opener.open(data).sender == 1
     with pytest.raises(Refused, match="replayed"):
         opener.open(data)
 
@@ -132,9 +171,15 @@ def test_membership_ignores_local_keys_and_names_what_differs():
     assert membership_diff(membership(a), None, 2)[0].startswith("(no config sent")
 
 
-def test_the_key_proof_binds_key_job_rank_and_config():
+def test_the_key_proof_binds_key_job_rank_config_challenge_and_session():
     cfg = membership(grpc_cfg())
-    p = proof(KEY, "job", 1, cfg)
-    assert p == proof(KEY, "job", 1, cfg) and len(p) == 64
-    assert p not in {proof(b"o" * 64, "job", 1, cfg), proof(KEY, "job", 2, cfg), proof(KEY, "other", 1, cfg)}
-    assert proof(None, "job", 1, cfg) == ""
+    p = proof(KEY, "job", 1, cfg, "c1", "s1")
+    assert p == proof(KEY, "job", 1, cfg, "c1", "s1") and len(p) == 64
+    assert p not in {
+        proof(b"o" * 64, "job", 1, cfg, "c1", "s1"),
+        proof(KEY, "job", 2, cfg, "c1", "s1"),
+        proof(KEY, "other", 1, cfg, "c1", "s1"),
+        proof(KEY, "job", 1, cfg, "c2", "s1"),  # another challenge: an answer captured earlier
+        proof(KEY, "job", 1, cfg, "c1", "s2"),  # another process
+    }
+    assert proof(None, "job", 1, cfg, "c1", "s1") == ""

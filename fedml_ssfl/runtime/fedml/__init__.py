@@ -40,8 +40,10 @@ A client whose ``client_update`` raises replies with the error; the server stops
 once naming the rank and the silo, writes ``summary.json`` (``failed``), tells the workers to
 finish and exits non-zero; the last checkpoint is untouched (atomic writes). A worker process
 that dies: under ``mpirun`` the launcher terminates the job and the server records which ranks
-and silos it was waiting for; under GRPC the server probes outstanding workers and fails the run
-when one is unreachable. A round with no complete reply within ``FEDML_SSFL_ROUND_TIMEOUT``
+and silos it was waiting for; under GRPC the processes exchange heartbeats, a peer may be silent
+for ``FEDML_SSFL_OUTAGE_BUDGET`` seconds (a cut link, a restart: a restarted process rejoins
+through the handshake) and the run fails naming it and the cause when it stays silent longer.
+A round with no complete reply within ``FEDML_SSFL_ROUND_TIMEOUT``
 seconds fails the same way. A malformed reply (unknown or missing keys, wrong shapes, NaN/inf)
 is refused with a warning naming rank, silo and reason, and counts as an empty reply (the
 algorithms already handle clients with nothing to send) unless the algorithm sets
@@ -58,7 +60,8 @@ Modules
 :mod:`.launch` (config and environment -> ranks, ports, timeouts, FedML args), :mod:`.payloads`
 (what crosses the wire, and the reply checks), :mod:`.server` and :mod:`.worker` (the two halves of
 a round, no FedML in them), :mod:`.wire` (the codec, no pickle) and :mod:`.security` (sealed GRPC
-envelopes, TLS, membership), :mod:`.transports` and :mod:`.managers` (FedML's classes, subclassed),
+envelopes, sessions, TLS, membership), :mod:`.delivery` (a peer's outbox) and :mod:`.diagnose` (why
+a peer is unreachable), :mod:`.transports` and :mod:`.managers` (FedML's classes, subclassed),
 :mod:`.hooks` (the public trainer and aggregator for ``FedMLRunner``), :mod:`.run` (:func:`run_fedml`).
 Only :mod:`.transports`, :mod:`.managers` and :mod:`.hooks` import ``fedml``, ``mpi4py`` or ``grpc``
 at module level, and nothing imports them until a FedML job starts.

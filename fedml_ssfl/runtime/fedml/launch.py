@@ -41,9 +41,11 @@ def timeouts() -> SimpleNamespace:
     ``FEDML_SSFL_ROUND_TIMEOUT`` (3600): the server fails a round whose replies are not all in.
     ``FEDML_SSFL_CONNECT_TIMEOUT`` (300): workers must come online (and GRPC peers accept).
     ``FEDML_SSFL_FINISH_GRACE`` (30): after a failure, how long workers get to acknowledge.
-    ``FEDML_SSFL_PROBE_INTERVAL`` (5): GRPC liveness probes of the workers a round waits for.
-    ``FEDML_SSFL_IDLE_TIMEOUT`` (6 h): a GRPC worker that hears nothing from the server for this
-    long exits with an error (sooner, after two failed probes, when the server's port is gone).
+    ``FEDML_SSFL_OUTAGE_BUDGET`` (120): GRPC: how long a peer may be unreachable or silent (a cut link,
+    a restart) before it is declared lost; a message is retried within it.
+    ``FEDML_SSFL_HEARTBEAT_INTERVAL`` (5): GRPC: heartbeats between the server and each worker.
+    ``FEDML_SSFL_IDLE_TIMEOUT`` (6 h): a GRPC worker that receives no message of the run from the
+    server for this long (heartbeats aside) exits with an error.
     """
     round_t = _env_seconds("FEDML_SSFL_ROUND_TIMEOUT", 3600.0)
     connect_t = _env_seconds("FEDML_SSFL_CONNECT_TIMEOUT", 300.0)
@@ -51,7 +53,8 @@ def timeouts() -> SimpleNamespace:
         round=round_t,
         connect=connect_t,
         grace=_env_seconds("FEDML_SSFL_FINISH_GRACE", 30.0),
-        probe=_env_seconds("FEDML_SSFL_PROBE_INTERVAL", 5.0),
+        outage=_env_seconds("FEDML_SSFL_OUTAGE_BUDGET", 120.0),
+        heartbeat=_env_seconds("FEDML_SSFL_HEARTBEAT_INTERVAL", 5.0),
         idle=_env_seconds("FEDML_SSFL_IDLE_TIMEOUT", 6 * 3600.0),
     )
 

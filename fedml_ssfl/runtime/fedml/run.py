@@ -25,6 +25,7 @@ from ..common import (
     fresh_run_dir,
     hold_run_folder,
 )
+from .diagnose import check_own_certificate
 from .launch import (
     _fedml_offline,
     _with_device,
@@ -94,6 +95,11 @@ def run_fedml(
         peers = [ip for ip, _ in table.values()]
         security = load_security(cfg, rank)
         check_tls_files(cfg, rank)  # a junk or swapped PEM named here, not as a port in use at the bind
+        if security.tls is not None:
+            host = table[rank][0]
+            name = security.tls.server_name or host
+            if name not in ("0.0.0.0", "::", ""):
+                check_own_certificate(security.tls, name, rank)
         check_port_free(rank, *table[rank])
     claimed = None  # a new run folder: removed on an error before anything was written into it
     lock = None  # the server holds its run folder for the run's life (a second run of it is refused)
@@ -117,7 +123,8 @@ def run_fedml(
             meter.message_class = FedMessage
             args = fedml_args(cfg, rank)
             args.comm, args.ssfl_grpc_table, args.ssfl_security = comm, table, security
-            args.ssfl_membership, args.ssfl_job = membership(cfg), cfg.common_args.run_id
+            args.ssfl_membership = membership(cfg)
+            args.ssfl_job = security.job if security is not None else cfg.common_args.run_id
             with contextlib.redirect_stdout(io.StringIO()):
                 args = fedml.init(args, check_env=False, should_init_logs=False)
             if backend == "MPI":
@@ -199,7 +206,6 @@ def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, back
 
     from . import managers
     from .hooks import SSFLTrainer
-    from .transports import DeliveryError
 
     if isinstance(worker, SiloWorker):
         silos, counts, model, device = {worker.silo: worker.silo}, {worker.silo: 0}, torch.nn.Identity(), "cpu"
@@ -212,12 +218,11 @@ def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, back
     trainer = SSFLTrainer(model, args, worker)
     adapter = TrainerDistAdapter(args, device, rank, model, sum(counts.values()), counts, silos, silos, trainer)
     manager = managers.SSFLClientManager(args, adapter, meter, limits, comm, rank, workers, backend)
-    try:
-        manager.run()
-    except DeliveryError as exc:  # the server is gone, or refused this process's messages
-        raise RunFailed(str(exc)) from None
+    manager.run()
     if manager.refusal:
         raise ConfigError(f"rank {rank}: the server refused this process: {manager.refusal}")
+    if manager.failure:  # the run failed (here, or on the server, which said why): exit non-zero
+        raise RunFailed(f"rank {rank}: {manager.failure}")
 
 
 def _install_terminate_handler(handler):

@@ -4,16 +4,27 @@ A GRPC message between ranks travels as a *sealed envelope*::
 
     SSFLSEAL1 | 4-byte header length | header (JSON) | payload (a wire message) | HMAC-SHA256 tag
 
-The header names the job (``common_args.run_id``), the sender and receiver ranks, the sender's
-session (random per process) and a sequence number. The receiver drops, and logs naming the peer,
-an envelope that is too large, not an envelope, carries a bad tag (forged or tampered: the key is
-the job's shared secret), comes from a rank the job does not have or is meant for another rank or
-job, comes from a second process claiming a rank already heard from (another session), or repeats
-a sequence number (a replay). Only then is the payload decoded (:mod:`~fedml_ssfl.runtime.wire`).
+The header names the job (:func:`job_identity`: the run id, or a digest of the job key when the
+run id is empty, so it is never empty), the sender and receiver
+ranks, the sender's session (a fresh random nonce per process), a sequence number and the
+envelope's kind: ``h`` (a handshake message), ``m`` (a message of the run) or ``b`` (a heartbeat).
+The receiver drops, and logs naming the peer, an envelope that is too large, not an envelope,
+carries a bad tag (forged or tampered: the key is the job's shared secret), comes from a rank the
+job does not have or is meant for another rank or job, repeats a sequence number of its session
+(a replay, or a retry of a message already received: :class:`Duplicate`), or is a message or a
+heartbeat from a session that has not completed the handshake with this process
+(:class:`NotAdmitted`: a process of an earlier run, or a peer that restarted). Only then is the
+payload decoded (:mod:`~fedml_ssfl.runtime.wire`).
 
-Membership is checked one level up, in the ONLINE handshake: each worker sends :func:`membership`
-(the config keys that make the job what it is) and a key proof; the server refuses a worker whose
-keys differ, naming them (:func:`membership_diff`).
+Sessions are admitted one level up, by the handshake (:mod:`.managers`): the server sends a
+worker a fresh *challenge*; the worker answers ONLINE with :func:`membership` (the config keys
+that make the job what it is) and a :func:`proof` binding the key, the job, its rank, that
+config, the challenge and its own session; the server admits the session only for a challenge it
+issued and has not seen answered (so nothing captured from an earlier process of the job, before
+a ``--resume`` or a restart, is accepted), refuses a worker whose keys differ, naming them
+(:func:`membership_diff`), and answers *welcome* naming the challenge and the worker's session,
+which the worker accepts once, for a challenge it answered. An admitted session replaces the one
+before it: a restarted worker or server rejoins, a replayed handshake does not.
 
 Nothing here imports FedML or gRPC.
 """
@@ -41,6 +52,10 @@ MAGIC = b"SSFLSEAL1"
 TAG_BYTES = 32
 MAX_HEADER_BYTES = 4096
 REPLAY_WINDOW = 4096  # sequence numbers this far below the highest seen are refused outright
+SESSIONS_KEPT = 8  # per rank, the sessions whose sequence numbers are remembered (the newest)
+HELLO, MESSAGE, BEAT = "h", "m", "b"
+"""Envelope kinds: a handshake message (any session), a message of the run, a heartbeat (the admitted
+session only)."""
 
 # keys that may differ between the processes of one job: where each keeps its files, its device,
 # its own certificate, what it logs; everything else must match the server's
@@ -67,6 +82,32 @@ LOCAL_SECTIONS = ("device_args", "tracking_args")
 class Refused(Exception):
     """An envelope was dropped; the text says why (logged with the peer's address)."""
 
+    code = "PERMISSION_DENIED"
+    """The gRPC status the receiver answers: the sender gives the message up."""
+
+
+class NotAdmitted(Refused):
+    """A message or heartbeat from a session that has not completed the handshake with this process
+    (the sender or this process restarted): the sender drops it and the handshake runs again."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class Duplicate(Refused):
+    """A sequence number of this session already received: a retry of a delivered message (or a replay)."""
+
+    code = "ALREADY_EXISTS"
+
+
+@dataclass(frozen=True)
+class Opened:
+    """An envelope that passed every check: who sealed it, in which session, its kind and payload."""
+
+    sender: int
+    session: str
+    kind: str
+    payload: memoryview
+
 
 @dataclass(frozen=True)
 class Tls:
@@ -76,6 +117,8 @@ class Tls:
     cert: bytes
     key: bytes
     server_name: str = ""
+    cert_file: str = ""
+    key_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -147,7 +190,7 @@ def load_security(cfg: ExperimentConfig, rank: int) -> JobSecurity:
             "comm_args.insecure: GRPC runs in plaintext; anyone on the network can read the models%s",
             "" if key else f", and with no job key ({KEY_ENV}) anyone who reaches a port can send messages",
         )
-        return JobSecurity(job=cfg.common_args.run_id, key=key, tls=None)
+        return JobSecurity(job=job_identity(cfg, key), key=key, tls=None)
     missing = [f"comm_args.{k}" for k, v in named.items() if not v]
     if key is None:
         missing.append(f"comm_args.job_key_file (or {KEY_ENV})")
@@ -156,8 +199,28 @@ def load_security(cfg: ExperimentConfig, rank: int) -> JobSecurity:
             f"GRPC needs TLS and a job key: {', '.join(missing)} not set; {_CERT_FIX} "
             "(docs/deploy.md, Security), or set comm_args.insecure: true to run in plaintext on a network you trust"
         )
-    tls = Tls(*(_read(k, v, rank) for k, v in named.items()), server_name=c.tls_server_name)
-    return JobSecurity(job=cfg.common_args.run_id, key=key, tls=tls)
+    files = {k: str(Path(v.replace("{rank}", str(rank))).expanduser()) for k, v in named.items()}
+    tls = Tls(
+        *(_read(k, v, rank) for k, v in named.items()),
+        server_name=c.tls_server_name,
+        cert_file=files["tls_cert"],
+        key_file=files["tls_key"],
+    )
+    return JobSecurity(job=job_identity(cfg, key), key=key, tls=tls)
+
+
+def job_identity(cfg: ExperimentConfig, key: bytes | None) -> str:
+    """The job's name in every envelope: ``common_args.run_id``, or (when it is empty) a digest of the
+    job key. Never empty.
+
+    Nothing else goes in: the rest of the config may differ between the processes of a job where it is
+    local (the ipconfig's path and rows, behind NAT or a proxy), and a worker started with another seed
+    must reach the handshake, which names the keys that differ (:func:`membership_diff`). What keeps a
+    process from taking messages of an earlier process of the same job (or of another job under the
+    same key) is the handshake's fresh challenge and the admitted sessions, not this name."""
+    if cfg.common_args.run_id:
+        return cfg.common_args.run_id
+    return "job-" + hashlib.sha256(b"ssfl-job|" + (key or b"")).hexdigest()[:24]
 
 
 # ---- membership -----------------------------------------------------------------------------
@@ -187,11 +250,19 @@ def membership_diff(mine: dict[str, Any], theirs: Any, rank: int) -> list[str]:
     return out
 
 
-def proof(key: bytes | None, job: str, rank: int, config: dict[str, Any]) -> str:
-    """HMAC of (job, rank, membership): shows the sender holds the job key ("" with no key)."""
+def new_challenge() -> str:
+    """A fresh nonce for one handshake (the server sends it; the worker's ONLINE must answer it)."""
+    return secrets.token_hex(16)
+
+
+def proof(
+    key: bytes | None, job: str, rank: int, config: dict[str, Any], challenge: str = "", session: str = ""
+) -> str:
+    """HMAC of (job, rank, membership, the server's challenge, the worker's session): shows the sender
+    holds the job key and answers this challenge from this process ("" with no key)."""
     if key is None:
         return ""
-    text = json.dumps([job, rank, config], sort_keys=True, default=str).encode()
+    text = json.dumps([job, rank, config, challenge, session], sort_keys=True, default=str).encode()
     return hmac.new(key, b"online|" + text, hashlib.sha256).hexdigest()
 
 
@@ -203,16 +274,23 @@ class Sealer:
 
     def __init__(self, security: JobSecurity, rank: int) -> None:
         self.security, self.rank = security, rank
-        self.session = secrets.token_hex(8)
+        self.session = secrets.token_hex(16)  # this process's nonce: every envelope names it
         self._seq = 0
         self._lock = threading.Lock()
 
-    def seal(self, receiver: int, payload: bytes) -> bytes:
+    def seal(self, receiver: int, payload: bytes, kind: str = MESSAGE) -> bytes:
         with self._lock:
             self._seq += 1
             seq = self._seq
         header = json.dumps(
-            {"job": self.security.job, "from": self.rank, "to": receiver, "session": self.session, "seq": seq},
+            {
+                "job": self.security.job,
+                "from": self.rank,
+                "to": receiver,
+                "session": self.session,
+                "seq": seq,
+                "kind": kind,
+            },
             separators=(",", ":"),
         ).encode()
         body = b"".join((MAGIC, struct.pack("<I", len(header)), header, payload))
@@ -222,16 +300,33 @@ class Sealer:
 
 
 class Opener:
-    """Checks incoming envelopes for rank ``rank`` of a job with ranks ``ranks`` (thread-safe)."""
+    """Checks incoming envelopes for rank ``rank`` of a job with ranks ``ranks`` (thread-safe).
+
+    A handshake envelope (kind ``h``) is accepted from any session; a message or a heartbeat only from
+    the session :meth:`admit` admitted for its rank. Sequence numbers are remembered per session.
+    """
 
     def __init__(self, security: JobSecurity, rank: int, ranks: set[int], limit: int) -> None:
         self.security, self.rank, self.ranks, self.limit = security, rank, set(ranks), limit
-        self.sessions: dict[int, str] = {}
-        self.seen: dict[int, tuple[int, set[int]]] = {}  # sender -> (highest seq, seqs within the window)
+        self.admitted: dict[int, str] = {}
+        # (sender, session) -> (highest seq, seqs within the window); the newest SESSIONS_KEPT per sender
+        self.seen: dict[tuple[int, str], tuple[int, set[int]]] = {}
         self._lock = threading.Lock()
 
-    def open(self, data: bytes) -> tuple[int, memoryview]:
-        """The sender's rank and the payload; :class:`Refused` for anything else."""
+    def admit(self, sender: int, session: str) -> str | None:
+        """Accept messages from ``sender``'s ``session`` from now on (replacing its session before);
+        returns the session it replaces (None if there was none)."""
+        with self._lock:
+            before = self.admitted.get(sender)
+            self.admitted[sender] = session
+            return before
+
+    def session_of(self, sender: int) -> str | None:
+        with self._lock:
+            return self.admitted.get(sender)
+
+    def open(self, data: bytes) -> Opened:
+        """The envelope's sender, session, kind and payload; :class:`Refused` for anything else."""
         view = memoryview(data)
         tag = TAG_BYTES if self.security.key is not None else 0
         if view.nbytes > self.limit:
@@ -249,30 +344,41 @@ class Opener:
                 raise Refused("bad tag: forged or tampered, or sealed with another job key")
         try:
             h = json.loads(bytes(view[head : head + n]))
-            sender, receiver, session, seq, job = (h["from"], h["to"], str(h["session"]), h["seq"], h["job"])
-        except (ValueError, KeyError, TypeError):
+            sender, receiver, session, seq, job = (h["from"], h["to"], h["session"], h["seq"], h["job"])
+            kind = h.get("kind", MESSAGE)
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise Refused("malformed envelope header") from None
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (sender, receiver, seq)):
             raise Refused("malformed envelope header")
+        if not isinstance(session, str) or not session or len(session) > 64 or kind not in (HELLO, MESSAGE, BEAT):
+            raise Refused("malformed envelope header")
         if job != self.security.job:
-            raise Refused(f"from another job (run id {job!r}, this job's is {self.security.job!r})")
+            raise Refused(f"from another job (job id {job!r}, this job's is {self.security.job!r})")
         if sender not in self.ranks or sender == self.rank:
             raise Refused(f"unknown rank {sender}: this job has ranks {sorted(self.ranks)}")
         if receiver != self.rank:
             raise Refused(f"addressed to rank {receiver}, not this rank")
-        self._check_fresh(sender, session, seq)
-        return sender, view[head + n : view.nbytes - tag]
+        with self._lock:
+            if kind != HELLO and self.admitted.get(sender) != session:
+                raise NotAdmitted(
+                    f"rank {sender}'s session {session[:8]} has not completed the handshake with this process "
+                    "(one of the two restarted, or it is a message of an earlier process)"
+                )
+            self._check_fresh(sender, session, seq)
+        return Opened(sender, session, kind, view[head + n : view.nbytes - tag])
 
     def _check_fresh(self, sender: int, session: str, seq: int) -> None:
-        with self._lock:
-            pinned = self.sessions.setdefault(sender, session)
-            if pinned != session:
-                raise Refused(f"a second process claims rank {sender} (rank {sender} is already in this job)")
-            highest, window = self.seen.get(sender, (0, set()))
-            if seq <= highest - REPLAY_WINDOW or seq in window:
-                raise Refused(f"replayed: rank {sender}'s message {seq} was already received")
-            window.add(seq)
-            if seq > highest:
-                highest = seq
-                window = {s for s in window if s > highest - REPLAY_WINDOW}
-            self.seen[sender] = (highest, window)
+        key = (sender, session)
+        highest, window = self.seen.get(key, (0, set()))
+        if seq <= highest - REPLAY_WINDOW or seq in window:
+            raise Duplicate(f"replayed: rank {sender}'s message {seq} was already received (a retry, or a replay)")
+        window.add(seq)
+        if seq > highest:
+            highest = seq
+            window = {s for s in window if s > highest - REPLAY_WINDOW}
+        self.seen.pop(key, None)
+        self.seen[key] = (highest, window)  # the newest last
+        mine = [k for k in self.seen if k[0] == sender]
+        for old in mine[: max(0, len(mine) - SESSIONS_KEPT)]:
+            if old[1] != self.admitted.get(sender):
+                del self.seen[old]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -296,6 +297,14 @@ class ServerRuntime:
         self.bar.update(acc)
         return row
 
+    def rejoin(self, rank: int) -> Task | None:
+        """Rank ``rank`` came back as a new process in the middle of the run: a pooled worker's cache of
+        client states is gone with its process, so the run cannot go on (it resumes from a checkpoint)."""
+        raise RuntimeError(
+            f"round {self.round + 1}: rank {rank} restarted; a pooled worker's cached client states are gone "
+            f"with its process: resume the run from its last checkpoint (--resume {self.run_dir})"
+        )
+
     def client_error(self, up: Failure) -> RunFailed:
         if up.traceback:
             log.error("traceback from rank %s (silo %s):\n%s", up.rank, up.silo, up.traceback)
@@ -363,7 +372,7 @@ class DeployedServerRuntime(ServerRuntime):
         for k in range(self.workers):
             intro = None
             if k + 1 not in self.introduced:
-                intro = Intro(self.meta, self.run_dir.name, self.resumed_after)
+                intro = self.intro()
                 self.introduced.add(k + 1)
             payloads[k] = Task(
                 round=r,
@@ -378,6 +387,41 @@ class DeployedServerRuntime(ServerRuntime):
         self.awaiting = {k + 1: k for k in range(self.workers)}
         self.round_started = time.monotonic()
         return payloads
+
+    def intro(self) -> Intro:
+        """What a silo process learns first: the metadata, the run folder, the last round completed
+        (whose saved state it reloads; -1: none, it starts fresh)."""
+        return Intro(self.meta, self.run_dir.name, self.round - 1)
+
+    def rejoin(self, rank: int) -> Task | None:
+        """Rank ``rank`` came back as a new process (a silo restarted): its next task carries an
+        :class:`Intro`, so it reloads its state saved after the last round the server completed
+        before that task; that is this round's task again while the round waits for it (returned),
+        else (it had answered) the next round's.
+
+        Raises
+        ------
+        RuntimeError
+            That round was not a checkpoint round: the silo saved no state after it.
+        """
+        waits = self.payloads is not None and rank in self.awaiting
+        needed = self.round - 1 if waits else self.round
+        if needed >= 0 and needed < self.end and not is_checkpoint_round(self.cfg, needed, self.end):
+            every = self.cfg.tracking_args.checkpoint_every
+            raise RuntimeError(
+                f"round {self.round + 1}: rank {rank} (silo {rank - 1}) restarted, and silos save their state only "
+                f"at checkpoint rounds (tracking_args.checkpoint_every: {every}), not after round {needed + 1}: "
+                f"resume the run from its last checkpoint (--resume {self.run_dir}); with checkpoint_every: 1 a "
+                "restarted silo rejoins the running job"
+            )
+        self.introduced.discard(rank)
+        if not waits:
+            return None
+        k = rank - 1
+        task = dataclasses.replace(self.payloads[k], intro=self.intro())
+        self.payloads[k] = task
+        self.introduced.add(rank)
+        return task
 
     def finish_round(self, uploads: list[Reply | Failure], **extra: Any) -> dict[str, Any]:
         start, r = self.current, self.round
