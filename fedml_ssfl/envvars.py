@@ -8,7 +8,8 @@ it is read, instead of falling back to the default or running with a negative ti
 The variables (docs/inputs.md lists them with their defaults)::
 
     FEDML_SSFL_ROUND_TIMEOUT, FEDML_SSFL_CONNECT_TIMEOUT, FEDML_SSFL_FINISH_GRACE,
-    FEDML_SSFL_PROBE_INTERVAL, FEDML_SSFL_IDLE_TIMEOUT     seconds        (runtime/fedml/launch.py)
+    FEDML_SSFL_OUTAGE_BUDGET, FEDML_SSFL_HEARTBEAT_INTERVAL,
+    FEDML_SSFL_IDLE_TIMEOUT                                seconds        (runtime/fedml/launch.py)
     FEDML_SSFL_MAX_MESSAGE_BYTES                           bytes          (runtime/fedml/wire.py)
     FEDML_SSFL_MAX_INPUT_BYTES                             bytes          (limits.py)
     FEDML_SSFL_JOB_KEY                                     text           (runtime/fedml/security.py)
