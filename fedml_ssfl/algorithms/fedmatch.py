@@ -53,7 +53,7 @@ model is built by ``model_fn()`` and run with ``torch.func.functional_call`` on 
   Clients report ``loss_s``, ``loss_u``, ``loss_agree``, ``loss_kl``, ``l2``, ``mask_rate``,
   ``pseudo_acc`` (diagnostic), ``psi_density`` and ``helpers``.
 
-Hyper-parameters (Table 4 / Appendix A.1 / ALGORITHMS.md): lambda_s = 10, lambda_a = lambda_i =
+Hyper-parameters (Table 4 / Appendix A.1): lambda_s = 10, lambda_a = lambda_i =
 1e-2 (Table 4's lambda_ICCS), lambda_L2 = 10, lambda_L1 = 1e-4 (labels-at-client) / 1e-5
 (labels-at-server), tau = 0.85 (A.1: "We fix confidence threshold tau = 0.85 for all FixMatch and
 our model experiments"), H = 2, helpers every 10 rounds, uniform aggregation, labeled batch
@@ -174,7 +174,7 @@ SCENARIO_DEFAULTS: dict[str, dict[str, float]] = {
     "client": {"lambda_l1": 1e-4, "c2s_threshold": 5e-5, "psi_threshold": 5e-6},
     "server": {"lambda_l1": 1e-5, "c2s_threshold": 1e-5, "psi_threshold": 1e-5},
 }
-"""Per-scenario defaults of the keys left null (Table 4; ALGORITHMS.md section 2)."""
+"""Per-scenario defaults of the keys left null (Table 4; docs/algorithms.md#fedmatch-jeong-et-al-2021)."""
 
 SIGMA, PSI, HELPER = "sigma/", "psi/", "helper{}/"
 """Message key prefixes: ``sigma/<param>``, ``psi/<param>``, ``helper<j>/<param>``."""
