@@ -1,7 +1,8 @@
 """Nothing in the repository cites a path that does not exist.
 
-Scanned: README.md, setup.py and every text file under docs/, fedml_ssfl/, mobile_export/,
-benchmarks/ (its results/ aside: figures, not prose), deploy/, configs/, tests/ and .ci/ (docs,
+Scanned: the root's Markdown files, setup.py and every text file under docs/, fedml_ssfl/,
+mobile_export/, benchmarks/ (of its results/ only the Markdown: the rest are figures), deploy/,
+configs/, tests/ and .ci/ (docs,
 docstrings, comments and strings alike). A citation is
 
 * a path starting with one of the repository's folders (``docs/deploy.md``,
@@ -50,11 +51,11 @@ LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)\s]+)\)")
 
 
 def scanned_files(root: Path = ROOT) -> list[Path]:
-    out = [root / "README.md", root / "setup.py"]
+    out = [*sorted(root.glob("*.md")), root / "setup.py"]
     for top in TOP:
         for p in sorted((root / top).rglob("*")):
             rel = p.relative_to(root).as_posix()
-            skipped = "__pycache__" in rel or rel.startswith("benchmarks/results/")
+            skipped = "__pycache__" in rel or (rel.startswith("benchmarks/results/") and p.suffix != ".md")
             if p.is_file() and p.suffix in TEXT and not skipped:
                 out.append(p)
     mine = {Path(__file__).resolve(), (ROOT / "tests" / "mutants.yaml").resolve()}  # their paths are broken on purpose
