@@ -6,7 +6,7 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 
-# One set that resolves and imports together on Python 3.11 (see docs/install.md):
+# One set that resolves and imports together on Python 3.11 (README.md, "Quick start", is the install line):
 # fedml 0.9.6 pins numpy<2 and protobuf<4; protobuf<4 caps onnxruntime at 1.26;
 # fedml and wandb import pkg_resources, removed from setuptools 81.
 INSTALL_REQUIRES = [

@@ -92,7 +92,9 @@ EXCLUDED: dict[str, str] = {
     r"^(python benchmarks/autocast_step\.py --device cuda|fedml-ssfl (bench|run) .*--set device_args\.device=cuda)\b": (
         "needs a CUDA device (this CI has none): docs/performance.md's GPU measurements"
     ),
-    r"^python benchmarks/gpu_augment_check\.py$": "needs a CUDA device (none here); its --device cpu run runs here",
+    r"^python benchmarks/gpu_augment_check\.py$": (
+        "needs a CUDA device (none here); tests/test_augment.py runs it with --device cpu"
+    ),
     r"^python benchmarks/layout_step\.py\b": (
         "seven models' training steps in two layouts (two minutes here); its figures are committed in "
         "benchmarks/results/layout_step.json and tests/test_performance.py tests the choice it informs"

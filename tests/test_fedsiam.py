@@ -2,7 +2,7 @@
 
 The mechanism tests (EMA target, ramp counter, beta weight, FSM layer choice, borrowing, the
 server's target update, FedSiam-D refused at the server) are exact checks on a tiny model; the
-mutants in ``tests/mutants_fedsiam.yaml`` name them.
+mutants in ``tests/mutants.yaml`` name them.
 """
 
 from __future__ import annotations

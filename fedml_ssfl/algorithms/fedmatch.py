@@ -1,143 +1,43 @@
-"""FedMatch (Jeong et al., ICLR 2021): inter-client consistency and disjoint learning.
+"""FedMatch: inter-client consistency and disjoint learning (Jeong et al., ICLR 2021).
 
-Both label scenarios. Every trainable parameter is decomposed as ``theta = sigma + psi``; the
-model is built by ``model_fn()`` and run with ``torch.func.functional_call`` on the weights
-``sigma + psi`` (buffers, if any, are the module's own).
+Jeong et al., *Federated Semi-Supervised Learning with Inter-Client Consistency & Disjoint
+Learning*, ICLR 2021. Both label scenarios (Algorithm 1: labels-at-client, Algorithm 2:
+labels-at-server). Every trainable parameter is ``theta = sigma + psi``.
 
-* Disjoint learning (Sec. 3.2). ``sigma`` learns from labeled data with ``psi`` frozen,
-  Eq. 4: ``L_s(sigma) = lambda_s CE(y, p_{sigma + psi*}(y | alpha(x)))``. ``psi`` learns from
-  unlabeled data with ``sigma`` frozen, Eq. 5:
-  ``L_u(psi) = Phi_{sigma* + psi} + lambda_L2 ||sigma* - psi||_2^2 + lambda_L1 ||psi||_1``
-  (squared L2 norm and L1 norm summed over all parameters). Two SGD optimisers, one per set. The
-  two losses are :class:`FedMatchLoss`; :mod:`fedml_ssfl.algorithms.disjoint` trains them one
-  client after another or a round's clients stacked (``train_args.stack_clients``).
-* Unlabeled loss Phi (Eq. 2): ``lambda_a CE(y_hat, f(A(u)))`` on the strongly augmented input
-  with the agreement pseudo-label ``y_hat`` of Eq. 3 (majority vote of the one-hot argmaxes of
-  the local model and its H helpers on the unaugmented ``u``, kept where the local confidence
-  ``>= tau``; :func:`fedml_ssfl.ssl.agreement_pseudo_labels`), averaged over the whole batch
-  (masked-out samples count as zeros), plus ``lambda_i 1/H sum_j KL(p_h_j(u) || p_local(u))``,
-  the inter-client consistency of Eq. 1 (:func:`fedml_ssfl.ssl.kl_consistency`). Helper ``j``
-  is the frozen model ``sigma + psi_h_j`` with the ``sigma`` the client received (Algorithm 1,
-  line 14). A round without helpers drops the KL term and the vote is the local model's alone.
-  Eq. 5's lambda_ICCS is folded into lambda_a and lambda_i.
-* Helpers (Sec. 3.1; :mod:`fedml_ssfl.helper_selection`): after aggregating, the server keeps,
-  for every client that has sent an update, its reconstructed ``psi`` and the embedding of its
-  model ``sigma_k + psi_k``: the softmax output on one fixed random-noise input. Every
-  ``helper_interval`` rounds it builds a KD-tree (``scipy.spatial.cKDTree``) over those
-  embeddings and sends each *seen* client the ``psi`` of its H nearest other clients.
-* Labels-at-client (Algorithm 1): clients train ``sigma`` on their labels and ``psi`` on their
-  unlabeled data, one ``sigma`` step and one ``psi`` step per local step, and send
-  ``Delta sigma`` and ``Delta psi``; the server averages the reconstructed ``sigma_k`` and
-  ``psi_k`` uniformly (lines 10-11). Labels-at-server (Algorithm 2): each round the server first
-  trains ``sigma`` on its labels (``psi`` frozen, ``server_steps`` steps); clients train ``psi``
-  only and send no ``sigma`` at all, so a client can never change ``sigma``; the server
-  averages ``psi`` (line 15) and keeps its own ``sigma``.
-* Communication (Sec. 3.2, Appendix B.1; :mod:`fedml_ssfl.sparse`). Clients send
-  ``Delta = trained - received`` dropping ``|Delta| < c2s_threshold`` (5e-5 labels-at-client,
-  1e-5 labels-at-server), as torch sparse COO tensors. After local training ``psi`` is
-  hard-thresholded at ``psi_threshold`` (5e-6 / 1e-5). Server-to-client messages are sparse
-  deltas too: the server keeps, per client, the ``(sigma, psi)`` that client holds (what it
-  last received), sends ``global - held`` dropping ``|Delta| < s2c_threshold`` and updates its
-  record by exactly what was sent; the client keeps the same record in its persistent
-  ``state`` and adds the delta. Dropped entries are not lost: they stay in the next delta
-  (error feedback), so a client's copy never drifts more than the threshold from the global
-  model. Helpers travel as ``psi_h - psi_global`` (the paper's Delta psi^{1:H}), sparse, with the
-  same threshold. Every message carries ``sigma/<param>`` and ``psi/<param>`` (an empty sparse
-  tensor costs nothing), so replies name only keys the server sent.
-* Metrics (Table 1): ``s2c_cost`` and ``c2s_cost`` = mean bytes per client message this round
-  over the bytes of one dense model (``message_nbytes`` of its state dict; dense FedAvg = 1,
-  sparse tensors counted as values plus int64 indices, as the runtime counts them);
-  ``s2c_ratio`` and ``c2s_ratio`` = values sent per message over the trainable parameters (the
-  authors' measure, which ignores index bytes; sigma + psi make up to 2, helpers more);
-  ``psi_density`` (non-zero fraction of the global ``psi``), ``helpers_sent``, ``seen_clients``.
-  Clients report ``loss_s``, ``loss_u``, ``loss_agree``, ``loss_kl``, ``l2``, ``mask_rate``,
-  ``pseudo_acc`` (diagnostic), ``psi_density`` and ``helpers``.
+Equations (plain text; alpha() weak, A() strong augmentation, u an unlabeled sample)::
 
-Hyper-parameters (Table 4 / Appendix A.1 / ALGORITHMS.md): lambda_s = 10, lambda_a = lambda_i =
-1e-2 (Table 4's lambda_ICCS), lambda_L2 = 10, lambda_L1 = 1e-4 (labels-at-client) / 1e-5
-(labels-at-server), tau = 0.85 (A.1: "We fix confidence threshold tau = 0.85 for all FixMatch and
-our model experiments"), H = 2, helpers every 10 rounds, uniform aggregation, labeled batch
-B^S = ``train_args.batch_size`` (Table 4: 10 at a client, 100 at the server) and unlabeled batch
-B^U = 100. The optimiser is plain SGD (``momentum: 0``, the authors'; Sec. 6: "SGD ... with the
-initial learning rate 1e-3") with ``train_args.learning_rate`` and ``weight_decay`` (the paper:
-1e-3 and 1e-4). ``train_args.momentum`` is not used.
+    (1)  inter-client consistency: 1/H sum_j KL( p_{h_j}(u) || p_{sigma + psi}(u) ),
+         h_j = sigma + psi_{h_j} with the H helpers' psi (KD-tree over model embeddings, Sec. 3.1)
+    (3)  y_hat = Max( 1(p_local(u)) + sum_j 1(p_{h_j}(u)) ), kept where max p_local(u) >= tau
+    (2)  Phi = lambda_a CE(y_hat, p_{sigma + psi}(A(u))) + lambda_i * (1)
+    (4)  L_s(sigma) = lambda_s CE(y, p_{sigma + psi*}(alpha(x)))                    psi frozen
+    (5)  L_u(psi)   = Phi_{sigma* + psi} + lambda_L2 ||sigma* - psi||_2^2 + lambda_L1 ||psi||_1   sigma frozen
+         server (Alg. 1 l. 10-11): sigma, psi = uniform means of the clients' reconstructed sigma_k, psi_k
+         labels-at-server (Alg. 2): the server trains sigma by (4); clients train psi by (5) only
+         messages: sparse deltas, |Delta| < c2s_threshold / s2c_threshold dropped (Sec. 3.2, App. B.1)
 
-The psi pull. Eq. 5's ``lambda_L2 ||sigma - psi||^2`` moves psi towards sigma by a fraction
-``2 lambda_L2 lr`` per plain SGD step, so a client round of T steps closes
-``c = 1 - (1 - 2 lambda_L2 lr)^T`` of the gap (:func:`psi_pull`; about 0.1 in the authors'
-setting, a few steps at lr 1e-3 and lambda_L2 = 10). Momentum multiplies the step by about
-``1 / (1 - momentum)`` and makes it overshoot: with momentum 0.9 and lr 0.003 the package's
-earlier default pulled ``||psi||`` from 2.5 to 15.6 (``||sigma||`` 12.4) in one round and every
-client round knocked the server's model down (50.3% after the server step, 19.4% after the
-clients, round 4; ``benchmarks/probe_server_step.py``). The config check warns when ``c > 0.2``
-and names the knobs (``lambda_l2``, ``train_args.learning_rate``, ``local_steps``,
-``momentum``): a configuration with a larger learning rate than the paper's keeps the authors'
-pull by scaling ``lambda_l2`` down (``configs/mnist5k/fedmatch.yaml``).
+Defaults (Table 4, A.1): lambda_s 10, lambda_a = lambda_i 1e-2, lambda_L2 10, lambda_L1 1e-4
+(client) / 1e-5 (server), tau 0.85, H 2 helpers every 10 rounds, B^U 100, plain SGD.
 
-Choices and deviations (the paper is silent or vague):
+Deviations:
 
-* ``psi`` starts at ``psi_init_factor`` (0.2) times the initial ``sigma`` (authors' code), so the
-  initial model is ``1.2 x`` the architecture's initialisation.
-* ``sigma``'s optimiser uses ``train_args.weight_decay``; ``psi``'s has none (Eq. 5 already
-  regularises it). Both follow the ``train_args`` schedule (Eq. 9 of Zhang et al. / constant;
-  the paper's adaptive decay on a validation loss has no federated counterpart here), a fresh
-  optimiser each round. Labeled batches use weak augmentation alpha(x), of
-  ``labeled_batch_size`` (default ``train_args.batch_size``).
-* The strong view pi(u) is FixMatch's RandAugmentMC (:mod:`fedml_ssfl.data.augment`: 2 ops, each
-  applied half the time at a magnitude 1..9 of 10, then a cutout of 8 px at 28x28, 17 px at 32x32),
-  stronger than the authors' (A.1: "RandAugment ... with random magnitude"; their code's own
-  RandAugment draws the magnitude in [2, 5] and has no cutout). Not an option: the package has one
-  strong view.
-* The vote and the KL term use the local model in train mode on the unaugmented input (one
-  forward pass with ``A(u)``); helpers run in eval mode without gradient. With BatchNorm the
-  helpers therefore use running statistics; the paper's ResNet-9 has no BatchNorm.
-* Agreement ties (Eq. 3): the local model's class wins, then the largest summed probability,
-  then the lowest class index (see :mod:`fedml_ssfl.ssl.agreement`); the authors' code takes
-  the lowest index.
-* Both Phi terms are means over the whole unlabeled batch: the CE with masked-out samples
-  counting as zeros, the KL over every sample. The authors' code restricts both to the
-  confident samples and averages over those: ``phi_average: confident``, an option (Phi is then
-  larger by 1 / mask rate).
-* The authors' code uses one plain SGD optimiser for both parts; here each part has its own
-  (the same as one while ``momentum`` is 0, the default: plain SGD keeps no state).
-* Helpers are used only in the round they arrive ("rounds without helpers drop the KL term")
-  and are sent in rounds ``r`` with ``r % helper_interval == 0`` (the authors' code:
-  ``(r + 1) % 10 == 0``; round 0 never has seen clients). A client gets
-  ``min(H, seen clients - 1)`` helpers. Embeddings use the client's model ``sigma_k + psi_k``
-  (labels-at-server: the ``sigma`` it held, i.e. the server's within the S2C threshold) on
-  ``probe_size`` (1) noise image(s): N(0.5, 0.5) pixels clipped to [0, 1], normalised like the
-  data, fixed by the seed (the authors use one truncated-normal image).
-* The aggregated ``psi`` is hard-thresholded again at ``psi_threshold`` (an average of values
-  above the threshold can fall below it).
-* A client without labeled data (labels-at-client) sends no ``sigma`` and one without unlabeled
-  data no ``psi``; each average runs over the clients that sent that part (none: unchanged).
-  In labels-at-client the server ignores any labels it holds (it "only aggregates").
-* Wire format: deltas are flattened to 1-D before sparsifying (one int64 index per non-zero);
-  where COO would not be smaller than dense (density above ~1/3) the exact dense delta is sent
-  instead (``dense_fallback``). Buffers (BatchNorm statistics, if any) travel dense under
-  their own names and are averaged like FedAvg. C2S has no error feedback: entries a client
-  drops are lost, as in the paper. The first message to a client is a delta from zeros. The
-  authors' code diffs S2C against the client's own last trained weights; here against what it
-  last received, so that server and client need nothing but the messages to agree.
-* ``s2c_deltas: false`` sends the full ``sigma`` and ``psi`` every round instead (losslessly,
-  zeros dropped), with no per-client records: the S2C delta records cost the server one dense
-  ``(sigma, psi)`` pair per client it has contacted, and each client the same in its state.
-* Server memory at scale: the S2C records (``views``) and each seen client's newest ``psi``
-  (``client_psi``, for helpers) are the algorithm's ``client_records``. Under
-  ``device_args.state_memory_mb`` the runtime swaps these dicts for bounded stores
-  (:class:`fedml_ssfl.client_state.ClientStateStore`, a share of the budget each) whose least
-  recently used records spill to disk and come back bit for bit; the code here only reads,
-  assigns and looks them up as mappings, and :meth:`FedMatch.state_dict` hands a store to the
-  runtime's checkpoint as it is (resident records inline, spilled ones by file). The helper
-  ``embeddings`` (one probability vector per seen client) stay in memory. Without a budget they
-  are plain dicts, written inline as before (docs/performance.md, "Client state at scale").
-* Observed: Eq. 5 pulls ``psi`` onto ``sigma``, so ``psi`` is dense (``psi_density`` ~1, the
-  hard threshold removes almost nothing) and ``theta`` tends to ``2 sigma``; the savings come
-  from small per-round changes (large models, small learning rates, late rounds). On ``cnn28``
-  (24k parameters) with the paper's thresholds every delta is dense in a short run.
-* The scenario is the run's ``data_args.label_scenario`` (``ServerData.label_scenario``);
-  ``lambda_l1``, ``c2s_threshold``, ``psi_threshold`` left null take the scenario's default;
-  ``s2c_threshold`` null follows ``c2s_threshold``.
+* psi starts at 0.2 x the initial sigma (the authors' code; the paper is silent).
+* Phi is a mean over the whole unlabeled batch; the authors' over the confident samples is
+  ``phi_average: confident``.
+* The strong view is the package's RandAugment with cutout, stronger than the authors' (one strong
+  view for every algorithm).
+* Agreement ties go to the local model's class, then the larger summed probability (the authors':
+  the lowest index).
+* Helpers are sent in rounds ``r % helper_interval == 0`` (the authors': ``(r + 1) % 10``) and used
+  that round only.
+* Server-to-client deltas are against what the client last received, with error feedback (the
+  authors': against its last trained weights), so both ends need only the messages.
+* A delta denser than ~1/3 goes dense (``dense_fallback``): COO would be larger.
+* The aggregated psi is hard-thresholded again at ``psi_threshold``.
+* The config check warns when Eq. 5's L2 pull closes more than 20% of the sigma-psi gap a round
+  (:func:`psi_pull`): momentum or a larger learning rate than the paper's makes it overshoot.
+
+Provenance and details: docs/algorithms.md#fedmatch-jeong-et-al-2021
 """
 
 from __future__ import annotations
@@ -174,7 +74,7 @@ SCENARIO_DEFAULTS: dict[str, dict[str, float]] = {
     "client": {"lambda_l1": 1e-4, "c2s_threshold": 5e-5, "psi_threshold": 5e-6},
     "server": {"lambda_l1": 1e-5, "c2s_threshold": 1e-5, "psi_threshold": 1e-5},
 }
-"""Per-scenario defaults of the keys left null (Table 4; ALGORITHMS.md section 2)."""
+"""Per-scenario defaults of the keys left null (Table 4; docs/algorithms.md#fedmatch-jeong-et-al-2021)."""
 
 SIGMA, PSI, HELPER = "sigma/", "psi/", "helper{}/"
 """Message key prefixes: ``sigma/<param>``, ``psi/<param>``, ``helper<j>/<param>``."""

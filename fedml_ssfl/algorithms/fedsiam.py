@@ -1,165 +1,43 @@
-"""FedSiam (Long et al. 2021): a siamese online/target net per client and adaptive layer selection.
+"""FedSiam: a siamese online/target net per client with adaptive layer upload (Long et al. 2021).
 
-Both label scenarios. Each client trains an *online* net and keeps a *target* net; the server
-keeps a global online net (the paper's ``G``, evaluated by default) and a global target net.
-Where the paper gives an equation it is the default; where it is silent the authors' public code
-(``zewei-long/fedsiam-pytorch``) decides, and the other reading is an option.
+Long et al., *FedSiam: Towards Adaptive Federated Semi-Supervised Learning*, 2021.
+Both label scenarios; variants ``pi`` / ``mt`` / ``d`` (``d`` labels-at-client only, Sec. 4.3).
 
-Client update (Sec. 3.1, 3.2)
-    * Loss (Eq. 7, labels-at-client): ``L + beta^k J`` with ``L`` the cross-entropy of the online
-      net on the client's labeled data (Eq. 6) and ``J`` the consistency between
-      ``f(x + eta; theta_s)`` (online, with gradient) and ``f(x + eta'; theta_t)`` (target, no
-      gradient) over the labeled and unlabeled batch (``n' + m'`` samples, Eq. 4/5):
-      ``consistency: mse`` is Eq. 4 as written, ``||.||^2`` summed over the C classes and
-      averaged over the samples (:func:`~fedml_ssfl.ssl.consistency.softmax_mse`); ``kl`` is
-      Eq. 5 (:func:`~fedml_ssfl.ssl.consistency.kl_consistency`). Labels-at-server (Eq. 8): the
-      clients minimise ``beta^k J`` only; a client's own data decides (no labels: no ``L``).
-    * ``eta``, ``eta'``: two independent draws of the package's weak augmentation alpha() (the
-      paper: "weak data augmentation ... random reflect, flip, ... crop"; Eq. 4 writes additive
-      perturbations without fixing them).
-    * The ramp counter (the paper: "we use the ramp-up technique with an upper EMA decay",
-      silent on what it counts; the authors' ``Update.py`` counts local epochs): a client in its
-      ``p``-th participation (1 on its first round), running ``E`` local epochs this round,
-      is at counter ``c = p E + e + 1`` during its local epoch ``e = 0 .. E - 1`` (the authors'
-      ``user_epoch * local_ep + iter + 1``, so ``c = E + 1`` on the first epoch it ever trains).
-      ``E = local_epochs`` when set (an epoch is then one pass over the client's unlabeled data,
-      labeled data when it has none); with ``local_epochs: null`` one round's
-      ``train_args.local_steps`` steps count as **one** local epoch (``E = 1``, ``c = p + 1``).
-    * ``beta^k = beta_max * sigmoid_rampup(c, phi_l)`` with ``phi_l = beta_rampup`` (Table 4:
-      10; the authors' ``sigmoid_rampup(user_epoch * local_ep + iter + 1, 10)``), constant
-      within a local epoch. ``beta_ramp_unit: round`` ramps over the global round index instead.
-      ``beta_max`` (the paper does not give it) defaults to the authors' effective weight on
-      Eq. 4 / 5: their ``softmax_mse_loss`` divides the class sum by C and their weight ramps to
-      1, so for ``mse`` the weight on Eq. 4's sum is ``1 / C`` (:meth:`FedSiamConfig.beta_weight`,
-      resolved from the data's number of classes at run time); their KL is not divided, so 1
-      for ``kl``.
-    * Target = EMA of the online net after every SGD step (Eq. 9; Eq. 3 is the same):
-      ``theta_t <- alpha theta_t + (1 - alpha) theta_s`` with the Mean-Teacher ramp
-      ``alpha = min(1 - 1/(c + 1), alpha_max)`` (:func:`ema_alpha`), ``alpha_max = 0.999``
-      (Table 4, Table 7), ``c`` the epoch counter above (``ramp_unit: epoch``, the authors'
-      ``update_ema_variables(..., global_step)``): alpha is constant within a local epoch; with
-      their R_L = 5 it is 6/7 = 0.857 on a client's first epoch and 30/31 = 0.968 on the last
-      epoch of its fifth round (a client takes part in about 5 of the paper's 50 rounds), far
-      below the 0.999 cap.
-      ``ramp_unit: step`` counts the client's SGD steps instead (``c`` = the step just taken,
-      1 for the first, across rounds). Eq. 9 is applied to every floating state tensor
-      (parameters and BatchNorm running statistics); integer buffers are copied from the online
-      net. The target runs in train mode without gradient (dropout / batch statistics act as
-      part of the perturbation, as in Mean Teacher).
-    * The update is a :class:`~fedml_ssfl.stacked.LocalJob` (:meth:`FedSiam.local_job`), so a
-      round's clients can also train stacked (``train_args.stack_clients``).
-    * FSM (Eq. 10) after local training, per layer ``j``:
-      ``FSM[j] = ||theta_t[j] - theta_s[j]|| / ||theta_s[j]||`` (Euclidean norm over all floating
-      tensors of the layer; :func:`fsm`). A *layer* is one module of the model: the state keys
-      sharing a prefix (``conv1.weight`` and ``conv1.bias`` form ``conv1``;
-      :func:`layer_groups`), i.e. the paper's V layers (the authors' ``mnist_add`` /
-      ``cifar_add`` likewise merge a layer's weight and bias).
+Equations (plain text; s = online net, t = target net, k = client, j = layer)::
 
-Upload rule (Sec. 3.3, 3.3.2; derived, see "Deviations")
-    A client always uploads its whole target net (under the model's own keys) and, in addition,
-    the online layers whose divergence reaches the boundary: online layer ``j`` is uploaded
-    (under ``online/<key>``) iff ``tau > 0`` and ``FSM[j] >= b`` with
-    ``b = Quantile(Lambda, 1 - tau)`` (``b = 0`` for ``tau >= 1``, i.e. every layer). The
-    paper's words: "we propose to remove the layers of the target [read: online] net during the
-    uploading process ... which are similar to those of the target net. When conducting parameter
-    aggregation, we can borrow the removed layers of online nets from the corresponding target
-    nets first and then use Eq. (2)"; "if the j-th value in FSM^k is smaller than the [boundary],
-    then the corresponding layer in the online model will be not uploaded"; Table 4 calls tau
-    the "communication rate of omega_s" (the online net); "the rank of communication cost is
-    FedSiam-Pi < FedSiam-D < FedSiam-MT" and "FedAvg+ and FedSiam-Pi have the lowest
-    communication cost" (one model). So tau is the fraction of online layers uploaded:
-    tau = 0 (Pi) uploads the target only (one model's bytes), tau = 1 (MT) the full siamese
-    network (two models' bytes), and FedSiam-D lies between, as ``bytes_up`` shows.
+    (4)  J = 1/(n'+m') sum_i || f(x_i + eta; theta_s) - f(x_i + eta'; theta_t) ||^2  (consistency: mse)
+    (5)  J = 1/(n'+m') sum_i KL( f(x_i + eta'; theta_t) || f(x_i + eta; theta_s) )  (consistency: kl)
+    (6)  L = cross-entropy of f(x; theta_s) on the client's labeled batch
+    (7)  client loss, labels-at-client:  L + beta^k J
+    (8)  labels-at-server: the server minimises L on its labels, a client beta^k J
+    (9)  theta_t <- alpha theta_t + (1 - alpha) theta_s       after every SGD step
+         alpha = min(1 - 1/(c + 1), alpha_max),  beta^k = beta_max * sigmoid_rampup(c, phi_l)
+    (10) FSM[j] = || theta_t[j] - theta_s[j] || / || theta_s[j] ||
+         boundary b = Quantile(Lambda, 1 - tau) over the window Lambda of recent FSM values;
+         online layer j is uploaded iff tau > 0 and FSM[j] >= b (the target always is)
+    (11) linear:    tau = 0 for R_g <= phi_g, else -2 (1 - mu) R_G / (R_G - phi_g)^2 (R_g - R_G)
+    (12) rectangle: tau = (1 - mu) R_G / (varphi_g - phi_g) for phi_g < R_g < varphi_g, else 0
+    (2)  server: FedAvg (sample-weighted) of the targets, and of the online nets with each
+         missing layer borrowed from that client's target
 
-Server (Sec. 2.2, 3.3.2)
-    * Aggregation (Eq. 2, weighted by the clients' sample counts ``n^(b)``, labeled +
-      unlabeled): the global target is the FedAvg of the uploaded targets; the global online
-      net is the FedAvg of the clients' online nets with every layer a client did not upload
-      borrowed from that client's target (Sec. 3.3). Both go out the next round (model keys:
-      target; ``online/<key>``: online). FedSiam-Pi, whose online and target nets coincide
-      (alpha = 0), sends the target only.
-    * Boundary (Sec. 3.3.2): FedSiam-D clients upload their FSM vector (V floats, counted as
-      traffic); the server keeps the window ``Lambda`` of the last ``window_rounds`` rounds'
-      FSM values (``phi_g`` rounds by default, as the paper keeps ``[FSM_{R_g - phi_g + 1}, ...,
-      FSM_{R_g}]``), and broadcasts ``tau`` and the boundary computed from the rounds before.
-    * tau schedule (Sec. 3.3.3) with ``R_g = round + 1`` and ``R_G = train_args.comm_round``:
-      linear (Eq. 11): 0 for ``R_g <= phi_g``, then ``-2 (1 - mu) R_G / (R_G - phi_g)^2 (R_g -
-      R_G)``; rectangle (Eq. 12): ``(1 - mu) R_G / (varphi_g - phi_g)`` for ``phi_g < R_g <
-      varphi_g``, else 0. Both average ``1 - mu`` over the run; values are clipped to [0, 1]
-      (Eq. 11 starts above 1, e.g. 50/47 for R_G = 50, phi_g = 3, mu = 0.5). Defaults (Table 4):
-      phi_g = 3 (linear) / 10 (rectangle), varphi_g = 40, mu = 0.5.
-    * Labels-at-server (Sec. 2.2, Eq. 8 first line): after aggregation the server minimises
-      ``L`` on its labels: ``train_args.local_steps`` weak-augmentation SGD steps on the global
-      online net (:meth:`FedSiam._server_update`, run at the start of the next round and once
-      more after the last round, :meth:`FedSiam.finalize`), and after each of those steps the
-      global target follows the global online net by Eq. 9 (the authors' labels-at-server
-      ``fedsiam-mt-main.py`` calls ``update_ema_variables(model_glob, model_glob_ema, ...)``
-      after every server step). The server's counter is the authors' global server step
-      ``q = u T + s`` (``u`` the server update's index: the round, ``comm_round`` for the final
-      one; ``s = 0 .. T - 1``; their ``iter * len(train_loader_labeled) + batch_idx``), so
-      ``alpha = min(1 - 1/(q + 1), alpha_max)`` is 0 on the very first server step (the
-      target starts as the server's online net) and grows by step; Pi's alpha is 0 (target =
-      online).
+    variant  tau              alpha
+    pi       0                0 (target = online)
+    mt       1                the ramp above
+    d        Eq. 11 / 12      0 while R_g <= phi_g, then the ramp
 
-Variants (``variant``; Sec. 4.1, 4.3 and the Remark of Sec. 3.3.3)
-    ========  ======================  ==========================================
-    variant   tau                     alpha
-    ========  ======================  ==========================================
-    ``pi``    0                       0 (target = online after every step)
-    ``mt``    1                       the ramp ``min(1 - 1/(c + 1), alpha_max)``
-    ``d``     Eq. 11 / Eq. 12         0 while ``R_g <= phi_g``, then the ramp
-    ========  ======================  ==========================================
+Deviations:
 
-    ``variant: null`` (default) is ``d`` in labels-at-client and ``mt`` in labels-at-server.
-    ``d`` is refused in labels-at-server: Sec. 4.3 says FedSiam-D "do[es] not fit this setting"
-    and evaluates only Pi and MT there (Table 6; the authors' labels-at-server code is MT).
+* c counts local epochs as the authors' code does (``c = p E + e + 1``; a round's T steps are one
+  epoch when ``local_epochs`` is null): the paper does not say what the ramp counts.
+* tau is the fraction of online layers sent (boundary = the (1 - tau)-quantile, not the tau-quantile
+  of Sec. 3.3.2): the only reading where Pi sends one model and MT two, as Table 4 says.
+* Eq. 11's values above 1 are clipped to 1.
+* beta_max (not in the paper) defaults to 1/C for mse, 1 for kl: the authors' effective weight.
+* The labels-at-server server minimises L only; the authors' server adds a consistency term.
+* Targets are synchronised from the global target each round (``target_sync: false`` keeps them).
+* eta, eta' are two draws of the weak augmentation (Eq. 4 leaves the perturbation open).
 
-Client state (``state``, CPU/python only)
-    ``participations``: rounds the client has trained in (the ``p`` of the epoch counter);
-    ``steps``: its optimisation steps over all those rounds (the counter of ``ramp_unit:
-    step``); with ``target_sync: false`` also ``target``: its own target net.
-
-Deviations and choices where the paper is vague:
-
-* tau is the upper-tail fraction: the boundary is the (1 - tau)-quantile of Lambda, not the
-  tau-quantile the text of Sec. 3.3.2 names, because only this reading makes tau = 0 send no
-  online layer and tau = 1 send all (Table 4: tau is the online net's communication rate;
-  Eq. 11/12 average 1 - mu = the kept rate; the Remark: tau = 0 is the Pi-model). tau >= 1
-  uploads every online layer even where its FSM is below the window's minimum, and an empty
-  window (no FSM yet) gives boundary 0 (upload all). Quantiles interpolate linearly
-  (:func:`torch.quantile`). Comparisons are ``FSM >= boundary`` (upload).
-* The window holds every FSM value of the last rounds, including FedSiam-D's Pi phase, where
-  alpha = 0 makes every FSM exactly 0 (the paper collects every round); until those rounds
-  leave the window the boundary is therefore 0 and all online layers go up (with the paper's
-  R_G = 50, phi_g = 3 tau is at or near 1 in those rounds anyway).
-* One local epoch when ``local_epochs`` is null is one round's T steps (see the ramp counter);
-  the authors' counter starts at ``E + 1``, not 1, on a client's first epoch, and so does ours.
-* The target net is synchronised: a client starts each round's target from the global target
-  (the paper: "it is necessary to synchronize the parameters of target and online nets across
-  the different clients", and MT's target upload would otherwise be unused).
-  ``target_sync: false`` keeps each client's target in its state instead (initialised from
-  the global target on its first round; the global target is then only the source of borrowed
-  layers). That stores one model per client in checkpoints.
-* Steps: ``train_args.local_steps`` per round, or ``local_epochs`` passes over the client's
-  unlabeled data (labeled data when it has none) when set (the paper: R_L = 5, batch 10). Each
-  step draws one labeled and one unlabeled batch of ``train_args.batch_size``. The learning
-  rate follows ``train_args.lr_schedule`` across the round's steps (the paper: constant 0.01,
-  momentum 0.9, weight decay 1e-4; set ``lr_schedule: constant``).
-* J stays Eq. 4's class sum (the paper's equation); the authors' ``/ num_classes`` is folded into
-  the default ``beta_max = 1 / C`` instead, so the default product ``beta J`` is theirs.
-* The server's labels-at-server step minimises ``L`` only (Eq. 8, first line); the authors'
-  server loop adds a consistency term against the global target, which is not followed.
-* Evaluation uses the global online net (the paper's G); ``eval_net: target`` evaluates the
-  global target instead. In labels-at-server the accuracy logged after round t is that of the
-  model broadcast in round t (the server trains at the round's start); the final evaluation
-  includes the last round's clients and one more server update.
-* In labels-at-client the server only aggregates, as in the paper (any labels it holds,
-  ``data_args.num_server_labels > 0``, are ignored, like FedMatch and the FedAvg baselines do).
-* Dropout (the paper's CIFAR/SVHN CNN has some) draws from torch's global stream, which the
-  runtimes seed per (run seed, round, party) around every server step and client update
-  (:func:`fedml_ssfl.seeding.global_stream`), so that dropout models resume exactly too.
-* A client with no data at all sends an empty message; one without labels trains on ``J``
-  only; one without unlabeled data on ``L + beta J`` over its labeled batch.
+Provenance and details: docs/algorithms.md#fedsiam-long-et-al-2021
 """
 
 from __future__ import annotations

@@ -1,107 +1,46 @@
-"""SemiFL (Diao et al. 2022): alternate training of a labeled server and unlabeled clients.
+"""SemiFL: alternate training of a labeled server and unlabeled clients (Diao et al. 2022).
 
-Labels-at-server. Each round t (Algorithm 1):
+Diao et al., *SemiFL: Semi-Supervised Federated Learning for Unlabeled Clients with Alternate
+Training*, 2022. Labels-at-server. Each round t (Algorithm 1): the server fine-tunes, sets
+static BatchNorm, broadcasts; the clients train; the server averages; after the last round one more
+fine-tune (:meth:`SemiFL.finalize`).
 
-* ServerUpdate (Eq. 1): the server fine-tunes the global model on its labels with weak
-  augmentation for ``server_epochs`` (E) epochs, each a fresh random split of its labeled set
-  into batches of B_s (``server_batch_size``, default ``train_args.batch_size``; the last one
-  shorter), then updates the static BatchNorm (sBN) statistics, and broadcasts the model.
-  ``server_steps`` overrides the epochs with a fixed number of steps. Algorithm 1's input names
-  "server and client respective batch sizes B_s and B_m": B_m, the clients', is always
-  ``train_args.batch_size``.
-* ClientUpdate: a client pseudo-labels all its data ONCE with the received model in eval mode on
-  weakly augmented inputs (Eq. 2); the fix set is the samples with confidence ``>= threshold``
-  (Eq. 3; an empty fix set: the client stops and sends nothing); the mix set is ``|fix|``
-  samples drawn with replacement from all its pseudo-labeled data (Eq. 4). Per step:
-  ``lambda_mix ~ Beta(a, a)``, ``x_mix = lambda_mix x_fix + (1 - lambda_mix) x_mix``,
-  ``L_fix = CE(f(A(x_fix)), y_fix)``, ``L_mix = lambda_mix CE(f(alpha(x_mix)), y_fix) +
-  (1 - lambda_mix) CE(f(alpha(x_mix)), y_mix)`` (Eq. 5), and one SGD step on
-  ``L_fix + lambda L_mix`` (Eq. 6) with the gradient clipped to norm ``clip_norm`` (the
-  authors' code; the paper does not clip). A client
-  trains ``local_epochs`` (E) epochs, each a fresh random split of the fix and the mix set into
-  batches of ``train_args.batch_size``; ``local_epochs: null`` takes ``train_args.local_steps``
-  steps instead.
-* The server averages the received models uniformly (Algorithm 1: ``W_s = 1/M_t sum_m W_m``)
-  and, as the authors' code does, applies the average through a server SGD (lr ``server_lr`` =
-  1, momentum ``server_momentum`` = 0.5) whose gradient is ``w_global - w_avg``; the buffer
-  persists across rounds and is checkpointed. ``server_momentum: 0`` is the paper's plain
-  average.
-* After the last round: one more fine-tune and sBN update (:meth:`SemiFL.finalize`).
+Equations (plain text; alpha() weak, A() strong augmentation; Algorithm 1)::
 
-Static BatchNorm (sBN): BatchNorm layers train on batch statistics; the running statistics of a
-model the server sends or evaluates are recomputed from per-layer sums (sum, sum of squares and
-count of every BN layer's inputs, collected in one train-mode pass without gradients), as the
-exact mean and (biased) variance of those inputs. ``sbn`` picks whose data:
+    (1)  server: W_g <- E epochs of SGD on CE(f(alpha(x)), y) over its labels, batch B_s
+    (2)  client m: y_hat_i = argmax f(alpha(x_i); W_g), once a round, model in eval mode
+    (3)  fix set = { (x_i, y_hat_i) : max f(alpha(x_i); W_g) >= tau }   (empty: the client sends nothing)
+    (4)  mix set = |fix| samples drawn with replacement from all its pseudo-labeled data
+    (5)  lambda_mix ~ Beta(a, a);  x_mix = lambda_mix x_fix + (1 - lambda_mix) x_mix
+         L_fix = CE(f(A(x_fix)), y_fix)
+         L_mix = lambda_mix CE(f(alpha(x_mix)), y_fix) + (1 - lambda_mix) CE(f(alpha(x_mix)), y_mix)
+    (6)  one SGD step on L_fix + lambda L_mix, E epochs (or T steps) of batch B_m
+         server: W_s = 1/M_t sum_m W_m, applied as an SGD step of lr server_lr, momentum
+         server_momentum on the gradient W_g - W_s (server_momentum 0: the plain average)
+         sBN: BatchNorm running statistics recomputed as the exact pooled mean and variance
+         of per-layer sums (sum, sum of squares, count) of the chosen data
 
-* ``federated`` (default): the server's own data (labeled + validation) when the model goes
-  out, so clients pseudo-label with statistics the server can compute alone; each client also
-  reports the sums of the received model over its own data in ``extras["bn_sums"]`` (a few KB),
-  and after the round the server sets the statistics of that model (the one it evaluates) from
-  server + client sums. The final model, trained after the clients' last reply, gets
-  statistics from the server's data. Why the default: the authors compute the statistics over
-  all training data (server and clients), which needs the clients' images on the server;
-  per-layer sums give the same pooled statistics for the model the clients received while
-  only a few numbers per channel leave a client, and the exact pooled mean and variance need
-  nothing else (sums add up across parties).
-* ``server``: the server's data only, no client sums.
-* ``all_data_nonfederated``: the authors' code: the server reads every training image,
-  including the clients'. Not federated; offered only for reproducing the paper.
-* ``off``: no sBN; running statistics are averaged like any buffer.
+Defaults where the paper defers to its appendix (the authors' code): tau 0.95, a 0.75, E 5,
+lambda 1 (the text), gradient clipping to 1, Nesterov momentum 0.9, server momentum 0.5.
+``sbn``: ``federated`` (server data when the model goes out, then server + client sums for the
+evaluated model), ``server``, ``all_data_nonfederated`` (the authors': reads every client's images),
+``off``. Table 2 switches: ``fine_tune``, ``pseudo_labels: batch``, ``final_fine_tune``.
 
-With a GroupNorm (or norm-free) model there are no BN layers and sBN does nothing.
+Deviations:
 
-Ablations (Table 2): ``fine_tune: false`` trains the server in parallel and averages it with
-the clients as one model (the vanilla "Average" combination), and ``pseudo_labels: batch``
-pseudo-labels every local batch with the model being trained instead of once with the global
-model. ``final_fine_tune: false`` ends on the last average (with sBN) instead.
+* sBN is federated by default: per-layer sums leave a client, not its images (the authors pool
+  every image on the server).
+* Gradient clipping and the server momentum are the authors' code's (the paper has neither).
+* The strong view is the package's RandAugment with cutout, not the authors' own RandAugment.
+* Mixup mixes the raw images, then augments the mixture, as Eq. 5 writes (the authors mix the
+  augmented tensors).
+* A client's views are drawn a chunk of steps at a time (:data:`VIEW_CHUNK_VALUES`): the same
+  equations, another order of random numbers, one augmentation call per chunk.
+* ``server_steps`` and ``local_epochs: null`` replace epochs by a fixed number of steps.
+* The learning rate is ``train_args.lr_schedule`` once per round (the authors: cosine annealing,
+  ``lr_schedule: cosine_annealing``); the final fine-tune uses the last round's rate.
 
-Where each default comes from. The paper's text (Sec. 3.4, Algorithm 1) fixes the structure
-above, E epochs for server and clients alike, and lambda = 1 ("set to be one in our
-experiments"); it defers the other values to its Appendix C.1, which the text here does not
-include. Those are the authors' code's (``src/utils.py`` ``process_control``, ``src/make.py``,
-``src/modules/modules.py``), which is the right default where the paper is silent:
-
-* threshold tau = 0.95 (control ``fix@0.95``), Beta(a, a) with a = 0.75 (``cfg['alpha']``),
-  E = 5 epochs for clients and server (control ``5-5``);
-* client and server-fine-tune SGD with Nesterov momentum 0.9 (``cfg['local']``);
-* gradient-norm clipping to 1 after every backward pass, on the clients and in the server's
-  fine-tune (``clip_grad_norm_(..., 1)``): not in the paper;
-* the server applies the average through an SGD with lr 1 and momentum 0.5 (``cfg['global']``,
-  control ``gm = 0.5``, no Nesterov, no weight decay): Algorithm 1 writes a plain average
-  (momentum 0 here), and the paper only names "global SGD momentum" among its appendix
-  ablations;
-* lr 0.03, weight decay 5e-4, client batch B_m = 10, cosine annealing over the rounds: these are
-  ``train_args`` settings shared by every algorithm (``lr_schedule: cosine_annealing`` is the
-  authors' ``CosineAnnealingLR``, ``lr x (1 + cos(pi t / T)) / 2``), not defaults of this module;
-  the server's B_s = 10 up to 1,000 labels, else 250, is ``server_batch_size`` (see
-  ``configs/cifar10/semifl.yaml``: 4,000 labels at 250, 16 steps an epoch);
-* each client's and the server's optimiser lives across rounds (``persistent_optimizer: true``,
-  an option: the default starts a fresh SGD every round, as Algorithm 1's plain steps read).
-
-Deviations and choices:
-
-* The learning rate follows ``train_args.lr_schedule`` evaluated once per round (the authors:
-  cosine annealing to 0 over the rounds, ``lr_schedule: cosine_annealing``; Zhang et al.'s
-  ``cosine`` with ``lr_cosine_c: 0.5`` is ``cos(pi t / 2T)``, another curve), for server and
-  clients alike; the final fine-tune uses the last round's rate.
-* The strong view A is FixMatch's RandAugmentMC (:mod:`fedml_ssfl.data.augment`); the authors'
-  own RandAugment (their ``randaugment.py``) differs: another op pool (Invert, a 40 px cutout
-  among the ops, enhancement factors ``0.1 + 1.8 m / 10``), the fixed magnitude m = 10, each op
-  applied with a probability drawn from U(0.2, 0.8), no cutout after the ops. Not implemented.
-* sBN is federated by default (see above); the authors' sBN reads every client's images and
-  averages per-batch statistics, this one pools exact sums.
-* The accuracy logged after round t is that of the model broadcast in round t (Algorithm 1
-  trains the server first); the final evaluation includes the last round's clients.
-* Mixup is applied to the raw images, then weak augmentation to the mixture, as Eq. 5 writes
-  (the authors mix the already-augmented tensors).
-* ``pseudo_labels: batch`` labels each batch with the training model in eval mode (running
-  statistics as they stand) and mixes within the batch; with ``local_epochs`` an epoch is one
-  pass over the client's data.
-* Random draws: with the default pseudo-labels a client's steps get their views a chunk of steps
-  at a time (:data:`VIEW_CHUNK_VALUES`, :meth:`SemiFL._global_label_steps`): the chunk's batches,
-  its lambdas, A of all its fix images, alpha of all its mixtures. The equations per step are
-  unchanged; the random numbers each view gets differ from a step-by-step order (a one-step chunk
-  is that order). It makes one augmentation call per chunk instead of two per step.
+Provenance and details: docs/algorithms.md#semifl-diao-et-al-2022
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The architecture is the classic ResNet-9 of Page / Myrtle.ai ("How to train your ResNet"), which
 is what FedMatch's Table 3 lists layer by layer, except that FedMatch's version has no BatchNorm
-(ALGORITHMS.md, sec. 2: "their ResNet-9 has no BatchNorm"). Layers, for a 32x32 input::
+(docs/algorithms.md#models-the-papers-used). Layers, for a 32x32 input::
 
     prep    conv 3x3 C->64,    relu                          32x32
     layer1  conv 3x3 64->128,  relu, max-pool 2              32 -> 16
