@@ -6,6 +6,8 @@ a process's own certificate."""
 from __future__ import annotations
 
 import socket
+import struct
+import threading
 from concurrent import futures
 from pathlib import Path
 
@@ -116,3 +118,35 @@ def test_wildcard_and_dns_names_are_matched(tmp_path):
     with pytest.raises(ConfigError, match="but peers reach rank 1 as a.b.silos.example"):
         check_own_certificate(t, "a.b.silos.example", 1)
     assert Path(cert).exists()
+
+
+def resetting_peer(resets: int) -> tuple[int, threading.Thread]:
+    """A TCP listener that resets ``resets`` connections in mid-handshake (it reads the ClientHello, then
+    closes with an RST), then stops listening: a process killed while a peer's TLS handshake was under way."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve():
+        with listener:
+            for _ in range(resets):
+                conn, _ = listener.accept()
+                conn.recv(1024)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener.getsockname()[1], thread
+
+
+def test_a_peer_killed_in_mid_handshake_is_not_taken_for_a_refusal(pki):
+    """Once: the second look finds nobody listening (a restart: the outbox retries). Every time: lasting."""
+    port, thread = resetting_peer(1)
+    cause = diagnose_peer("127.0.0.1", port, tls(pki, "good"))
+    thread.join(10)
+    assert "connection refused at 127.0.0.1:" in cause.text and not cause.lasting, cause
+    port, thread = resetting_peer(2)
+    cause = diagnose_peer("127.0.0.1", port, tls(pki, "good"))
+    thread.join(10)
+    assert "closed the connection during the TLS handshake" in cause.text and cause.lasting, cause

@@ -556,6 +556,7 @@ def test_strangers_are_refused_naming_what_differs(tmp_path):
     assert server == 1
     error = json.loads((cfg.run_dir() / "summary.json").read_text())["error"]
     assert "rank 2 was refused" in error and "common_args.random_seed" in error, error
+    assert "rank 1 was refused: could not deliver" in error and "bad tag" in error, error  # not a verdict at once
     assert "dropped a message from ipv4:127.0.0.1:" in server_err and "bad tag" in server_err
 
 

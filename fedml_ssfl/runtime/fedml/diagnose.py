@@ -32,6 +32,7 @@ class Cause:
 
     text: str
     lasting: bool = False
+    by_close: bool = False  # the peer closed the connection: a refusal, or a process that died in mid-handshake
 
 
 def _decode(path: str) -> dict | None:
@@ -154,9 +155,25 @@ _PLAINTEXT_PEER = (
 )
 
 
+CLOSE_RECHECK = 2.0
+"""Seconds before a second look at a peer that closed the connection in (or right after) the TLS
+handshake: a refusal closes it again, a process killed in mid-handshake (a restart) does not."""
+
+
 def diagnose_peer(host: str, port: int, tls: Tls | None, timeout: float = 10.0) -> Cause:
     """Why ``host:port`` does not take this process's gRPC calls, or ``Cause("")`` when TCP and TLS
-    both work (then the trouble is above them: the peer's own checks, or a slow link)."""
+    both work (then the trouble is above them: the peer's own checks, or a slow link).
+
+    A lasting cause seen as a closed connection is looked at twice (:data:`CLOSE_RECHECK` apart), so
+    that a peer restarting in mid-handshake is not taken for one that refuses this process."""
+    cause = _diagnose(host, port, tls, timeout)
+    if cause.lasting and cause.by_close:
+        time.sleep(CLOSE_RECHECK)
+        cause = _diagnose(host, port, tls, timeout)
+    return cause
+
+
+def _diagnose(host: str, port: int, tls: Tls | None, timeout: float) -> Cause:
     addr = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -212,6 +229,7 @@ def _tls_handshake(sock: socket.socket, host: str, addr: str, tls: Tls, timeout:
                     "certificate (expired, or not signed by the CA it trusts): check comm_args.tls_cert and "
                     f"comm_args.tls_ca on both ranks, or {_FIX_CERT}",
                     lasting=True,
+                    by_close=True,
                 )
     except ssl.SSLCertVerificationError as exc:
         return _verify_cause(exc, addr, name)
@@ -238,6 +256,7 @@ def _tls_handshake(sock: socket.socket, host: str, addr: str, tls: Tls, timeout:
             f"{addr} closed the connection during the TLS handshake (it answers in plaintext, or refused this "
             "process's certificate)",
             lasting=True,
+            by_close=True,
         )
     except OSError as exc:
         return Cause(f"the TLS handshake with {addr} failed ({exc.strerror or exc})")

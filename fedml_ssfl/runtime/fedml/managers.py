@@ -61,7 +61,10 @@ from .wire import WireMeter
 
 log = logging.getLogger(__name__)
 
-CHALLENGES_KEPT = 4  # per worker, the newest challenges that may still be answered
+CHALLENGES_KEPT = 32
+"""Per worker, the newest challenges that may still be answered (each once). With a new challenge at
+most every heartbeat interval (:meth:`SSFLServerManager.recheck`), an answer may take that many
+intervals to come back: on a slow link the answers queue behind each other."""
 LINGER_BEATS = 3
 """A process that fails before a peer joined keeps its port open this many heartbeat intervals, so
 that the peer, diagnosing it (a TLS mismatch), can name the cause too."""
@@ -169,6 +172,12 @@ class SSFLServerManager(FedMLServerManager):
         message.add_params(CHALLENGE, challenge)
         self.send_message(message)
 
+    def recheck(self, rank: int) -> None:
+        """A new challenge for ``rank`` unless one went out within the heartbeat interval (at least 1 s):
+        a challenge a second on a link whose round trip is longer queues the answers up without end."""
+        if time.monotonic() - self.checked.get(rank, 0.0) >= max(1.0, self.limits.heartbeat):
+            self.check(rank)
+
     def process_online_status(self, client_status, msg_params):
         if self.failing:
             return
@@ -181,8 +190,7 @@ class SSFLServerManager(FedMLServerManager):
                     "or a replay): not admitted; it is sent a new one",
                     sender,
                 )
-            if time.monotonic() - self.checked.get(sender, 0.0) >= 1.0:
-                self.check(sender)
+            self.recheck(sender)
             return
         self.challenges[sender].remove(challenge)
         problem = self.admission(sender, msg_params, challenge, session)
@@ -342,17 +350,20 @@ class SSFLServerManager(FedMLServerManager):
         """What the transport found: a message given up, or a worker that does not know this server."""
         event, peer = msg_params.get("event"), int(msg_params.get("peer"))
         if event == "unknown" and not self.failing:
-            if time.monotonic() - self.checked.get(peer, 0.0) >= 1.0:
-                self.check(peer)  # it restarted (or this server did): the handshake again
+            self.recheck(peer)  # it restarted (or this server did): the handshake again
             return
         cause, label = msg_params.get("cause"), msg_params.get("label")
         if self.failing or self.runtime.done:  # the end could not be told: the run is over all the same
             self.dead.add(peer)
             self._maybe_finish()
             return
+        if not self.is_initialized:  # a rank not yet admitted: named with the others at the connect timeout
+            if peer not in self.refused:
+                log.error("could not deliver %s to %s: %s", label, self.describe_rank(peer), cause)
+            self.refused[peer] = f"could not deliver {label} to it: {cause}"
+            return
         self.dead.add(peer)
-        when = f"round {self.runtime.round + 1}: " if self.is_initialized else ""
-        self.fail(f"{when}could not deliver {label} to {self.describe_rank(peer)}: {cause}")
+        self.fail(f"round {self.runtime.round + 1}: could not deliver {label} to {self.describe_rank(peer)}: {cause}")
 
     def handle_watchdog(self, msg_params):
         action = msg_params.get("action")
