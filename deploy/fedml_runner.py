@@ -5,7 +5,7 @@ python deploy/fedml_runner.py --cf deployment.yaml --rank 0 --role server   # GR
 
 The config names each party's files (``fedml-ssfl partition --export`` writes them): every rank reads
 its own, so the dataset and model FedMLRunner wants are placeholders. A script with its own data
-and model passes them instead (docs/deploy.md, "Coming from FedML").
+and model passes them instead (docs/deploy_reference.md, "Coming from FedML").
 """
 
 import fedml

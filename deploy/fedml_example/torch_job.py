@@ -4,8 +4,8 @@
 
 It is FedML's own example shape (fedml.init, a device, FedML's 8-entry dataset list, a model, a
 trainer and an aggregator, FedMLRunner); the only fedml_ssfl lines are the import of the trainer and
-aggregator and their construction. Rank 0 is the server, rank k + 1 silo k (docs/deploy.md, "Coming
-from FedML").
+aggregator and their construction. Rank 0 is the server, rank k + 1 silo k
+(docs/deploy_reference.md, "Coming from FedML").
 """
 
 import fedml

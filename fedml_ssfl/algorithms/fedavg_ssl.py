@@ -1,73 +1,35 @@
-"""The SSFL benchmark of Zhang et al. (2020): consistency loss, FedAvg or grouping.
+"""The SSFL benchmark of Zhang et al. (2020): consistency loss at the clients, FedAvg or grouping.
 
-Labels-at-server. Every round, from the global model ``w_avg``:
+Zhang et al., *Benchmarking Semi-supervised Federated Learning*, 2020. Labels-at-server. Every
+round, from the global model w_avg, the server and the C_k sampled clients each take T SGD steps.
 
-* the server takes T SGD steps on its N_s labels (Eq. 2, weak augmentation alpha);
-* each of the C_k sampled clients takes T steps on its unlabeled data with the user loss
-  ``crl`` (Eq. 6: pseudo-label = argmax f(alpha(x)) kept where max prob >= tau, cross-entropy on
-  f(A(x)), both views in one forward pass) or ``self_training`` (Eq. 3: pseudo-label and
-  cross-entropy on the same alpha(x), the pseudo-label from the model in eval mode, as the
-  authors' code takes it, the cross-entropy from the train-mode forward);
-* the server averages itself with the clients: ``fedavg`` (Eq. 4/5, uniform, the server
-  counting as one model), or ``grouping`` (Eq. 7: S groups each average with the server, the
-  global model is the mean of the S group averages, and group i receives its own ``w_avg,i``
-  next round).
+Equations (plain text; alpha() weak, A() strong augmentation; w_s server, w_k client)::
 
-The learning rate follows Eq. 9 (``train_args.lr_*``). Each round logs the weight diversity of
-Eq. 8 (``sum ||g_i||^2 / ||sum g_i||^2``) over the parameters of the classifier layer, as the
-authors plot it (``weight_diversity_fc``: the head a forward pass finds, whatever its name; absent
-for a model whose head it cannot find), and over all parameters, with ``g_i = w_i - w_i^start``
-measured from where each of the ``C_k + 1`` models started its round: ``w_avg`` for the server,
-what each client received for a client (under ``grouping`` its group's ``w_avg,i``, as the
-authors' ``Grad_Diff.py`` measures each group from the group's start). The logged value is Eq. 8
-as printed (Yin et al.'s gradient diversity, 1/(C_k + 1) when all updates are equal); the
-authors' plots show ``mean_i ||g_i||^2 / ||mean g||^2``, which is ``C_k + 1`` times it (1 for
-equal updates; with grouping they average the ratio per group).
+    (2)  server: CE(f(alpha(x); w_s), y) on its N_s labels
+    (3)  client, self_training: y_bar = argmax f(alpha(x)) (model in eval mode) where max >= tau;
+         CE(f(alpha(x)), y_bar) on the train-mode forward
+    (6)  client, crl: y_bar = argmax f(alpha(x)) where max >= tau;  CE(f(A(x)), y_bar)
+    (4/5) fedavg:   w_avg = (w_s + sum_k w_k) / (C_k + 1)   (uniform, the server one model)
+    (7)  grouping: S groups; w_avg,i = average of w_s and group i's clients;
+         w_avg = mean_i w_avg,i; group i starts its next round from w_avg,i
+    (8)  weight diversity, logged: sum_i ||g_i||^2 / ||sum_i g_i||^2, g_i = w_i - w_i^start,
+         over the classifier layer (weight_diversity_fc) and over all parameters
+    (9)  learning rate: train_args.lr_schedule (cosine with warm-up)
 
-Defaults follow the paper: tau = 0.95, S = 2, CRL, training from a random model. Where the paper
-is silent the authors' code (github.com/jhcknzzm/SSFL-Benchmarking-Semi-supervised-Federated-
-Learning) decides the default, and the other behaviour is an option:
+Paper defaults: tau 0.95, S 2, ``user_loss: crl``, training from a random model.
 
-* Optimiser (paper, Appendix A.3: "SGD with momentum", nothing more). The code's
-  ``LocalSGD.SGD(momentum=0.9, nesterov=True)`` is built once per worker and lives through
-  all rounds, so its momentum buffers persist per worker across rounds. Here:
-  ``nesterov: true`` and ``persistent_momentum: true`` (default); each client keeps its buffers
-  in its persistent ``state`` (``state["momentum"]``, by parameter name; a client not sampled
-  keeps them untouched until it is), the server in this algorithm's ``state_dict``
-  (``server_momentum``), so a resumed run continues them bit for bit. ``nesterov: false,
-  persistent_momentum: false`` is a fresh plain-momentum SGD per party and round.
-* What is averaged (paper silent). The code averages ``model.parameters()`` only
-  (``comm_helpers.SyncAllreduce``): every model keeps its own BatchNorm running statistics.
-  Here ``average_buffers: false`` (default): Eq. 4/5/7 run over the parameters; the averaged
-  models carry the server's own buffers (the server model keeps its statistics and is the model
-  evaluated); each client keeps its own buffers across rounds in ``state["buffers"]`` (the
-  first time it trains it takes the received ones). ``average_buffers: true`` averages every
-  floating tensor, BN statistics included (integer counters take the maximum). With GroupNorm
-  or no normalisation (``cnn28`` gn, ``emnist_cnn``) a model has no buffers and the two agree.
-  Clients still send their whole state dict (the runtimes check every key is there); under
-  ``average_buffers: false`` the server ignores the buffers in it.
-* Groups (Eq. 7). ``regroup: fixed`` (default) splits the client ids into S contiguous blocks,
-  ``k * S // K``, as the code splits its ranks (CIFAR-10: ranks below size/2 and the rest; on
-  EMNIST, K = 47 and S = 5, the blocks hold 10/9/10/9/9 clients, the code hard-codes
-  10/10/10/10/7); ``regroup: random`` redraws the groups every round (seeded) and then every client receives
-  the global model. Eq. 7 as written is the default: one server model that each group averages
-  with. The code's ``-H`` mode instead keeps one server replica per group and averages the
-  replicas among themselves; that is not implemented. A group with no sampled client this
-  round is the server model alone by Eq. 7 and is left out of the global mean (it would only
-  pull toward w_s), and a client whose group has no average yet receives the global model.
+Deviations (where the paper is silent, the authors' code decides; the other way is an option):
 
-Option beyond the paper: ``bootstrap_steps`` (default 0, the paper's start from a random
-model). With N > 0 the server first trains the random model on its labels alone for N SGD
-steps (Eq. 2, weak augmentation, the server's own optimiser at the constant base rate gamma;
-with ``persistent_momentum`` its buffers carry on into round 0), and that model is ``w^0``, as
-FedSEAL (Bian et al. Sec. 4.1.3) bootstraps. The rate is constant rather than annealed: a model
-annealed to a small rate sits where Nesterov SGD restarted at gamma diverges (measured on
-MNIST-5k: the server's loss went from 0.03 to 7.9 within round 0). The option exists for short
-runs: from a random model the global model is too unsure for any client sample to pass
-tau = 0.95, the clients return the model they received (up to weight decay and momentum), and
-Eq. 5 only dilutes the server's step by 1/(C_k + 1); the paper's budget is ~19,200 rounds of
-T = 16 on CIFAR-10. Bootstrapped on MNIST-5k the pseudo-labels flow, and CRL then collapses into
-one class within round 0 (measurements in ``configs/mnist5k/fedavg_ssl_bootstrap.yaml``).
+* Nesterov SGD whose momentum buffers persist per party across rounds and in checkpoints
+  (``nesterov``, ``persistent_momentum``).
+* Only parameters are averaged: each model keeps its BatchNorm statistics, the evaluated model the
+  server's (``average_buffers: true`` averages every floating tensor).
+* Groups are contiguous blocks of client ids, ``k * S // K`` (``regroup: random`` redraws them);
+  a group with no sampled client is left out of the mean; the code's ``-H`` mode is not implemented.
+* ``bootstrap_steps`` (default 0): the server first trains the random model on its labels at the
+  constant base rate, as FedSEAL bootstraps.
+
+Provenance and details: docs/algorithms.md#fedavg_ssl-the-ssfl-benchmark-zhang-et-al-2020
 """
 
 from __future__ import annotations

@@ -1,73 +1,39 @@
-"""FedSEAL (Bian et al. 2021): self-ensemble learning and negative learning at unlabeled clients.
+"""FedSEAL: self-ensemble and negative learning at unlabeled clients (Bian et al. 2021).
 
-Labels-at-server. The server holds N_s labeled samples and a validation set; clients hold only
-unlabeled data.
+Bian et al., *FedSEAL: Semi-Supervised Federated Learning with Self-Ensemble Learning and Negative
+Learning*, 2021. Labels-at-server: the server holds N_s labels and a validation set, the clients
+unlabeled data only. ``w^0`` is bootstrapped on the server's labels (Sec. 4.1.3, ``bootstrap_steps``
+of Eq. 3/4 under a cosine decay).
 
-* Bootstrapping (Sec. 4.1.3): ``w^0`` is trained on the server's labels alone (Eq. 3/4 without
-  averaging), for ``bootstrap_steps`` SGD steps with a cosine decay.
-* Each round t (Algorithm 1): the server averages the clients' models of the previous round
-  uniformly (Eq. 2; itself not counted), trains the average on its labels with weak augmentation
-  (Eq. 3/4, ``server_steps`` steps) into ``w^t``, and computes class-wise thresholds on its
-  validation set (Eq. 5: ``tau_m = sum_val p_m 1{pred = m} / #{y = m}``), which travel with
-  ``w^t``.
-* A client keeps the self-ensemble ``p_bar`` of the global models' probabilities on each of its
-  samples, updated incrementally (Eq. 8: ``p_bar^t = (t-1)/t p_bar^{t-1} + 1/t p(x; w^t)``) as
-  its persistent state (an (n_local, d) CPU tensor and the count t). Positive set (Eq. 9/10):
-  ``y+ = argmax p_bar`` where ``p_bar_{y+} >= tau_{y+}``. Negative set (Eq. 11/12): samples not
-  in the positive set with some class ``p_bar_m <= theta``; one such class, drawn uniformly, is
-  the complementary label ``y-``. The two sets are disjoint by construction.
-* Client loss (Eq. 13-15): ``lambda * CE(y+, f(A(x)))`` on strongly augmented positives plus
-  ``-log(1 - f(x)_{y-})`` on the (unaugmented) negatives, each the mean over its mini-batch;
-  T = ``train_args.local_steps`` SGD steps (momentum ``train_args.momentum``).
-* The client's T steps are a :class:`~fedml_ssfl.stacked.LocalJob` (:meth:`FedSEAL.local_job`,
-  loss :class:`PositiveNegativeLoss`, the round's rate), built after the filtering, so a round's
-  clients can also train stacked (``train_args.stack_clients``).
-* ``lambda`` grows over the rounds (Sec. 4.2.3, "small at first"): linear from
-  ``lambda_start`` to ``lambda_end`` over ``lambda_rampup_rounds`` rounds.
-* Learning rate (Sec. 5.2.1: "the initial values of the server learning rate and the client
-  learning rate are set as 0.001 with a decay rate 0.995 and local momentum 0.9"): server and
-  clients use ``train_args.learning_rate x lr_decay^t`` in round t, constant within the round;
-  ``train_args.lr_schedule`` is not used by default. ``lr_times_train_schedule: true`` also
-  multiplies by ``train_args.lr_schedule`` evaluated at the round's start (this project's
-  option for short runs, where ``0.995^t`` alone hardly anneals: ``0.995^20 = 0.90``).
+Equations (plain text; t = round, a() weak, A() strong augmentation; Algorithm 1)::
 
-Which defaults are the paper's (Sec. 4, 5.2.1): theta = 0.05, the x0.995 per-round decay,
-Eq. 5 thresholds, the Eq. 8 ensemble, negative learning, strong augmentation on the positive
-set only. The paper's lr 0.001 and momentum 0.9 are ``train_args`` settings shared by every
-algorithm (project defaults 0.03 and 0.9): set ``train_args.learning_rate: 0.001`` to follow it.
+    (2)     server: w_bar = uniform average of the previous round's client models
+    (3/4)   server: w^t <- server_steps SGD steps of CE(f(a(x); w_bar), y) on its labels
+    (5)     tau_m = sum_val p_m(x) 1{pred(x) = m} / #{val : y = m}, clipped to [0, 1]; sent with w^t
+    (8)     client, every round, sampled or not: p_bar^t = (t-1)/t p_bar^{t-1} + 1/t p(x; w^t)
+    (9/10)  positive set:  y+ = argmax p_bar  where  p_bar_{y+} >= tau_{y+}
+    (11/12) negative set:  not positive, some class m with p_bar_m <= theta; y- drawn uniformly
+            among those classes
+    (13-15) client loss: lambda CE(y+, f(A(x))) over positives - log(1 - f(x)_{y-}) over negatives,
+            each the mean over its mini-batch; T = train_args.local_steps SGD steps
+    lr:     train_args.learning_rate x lr_decay^t in round t, constant within the round
 
-Deviations and choices where the paper is silent:
+Paper defaults (Sec. 4, 5.2.1): theta 0.05, ``lr_decay`` 0.995. Ablations (Sec. 5.2):
+``self_ensemble: false``, ``fixed_threshold``, ``negative_learning: false``.
 
-* E_s and E_c (epochs; the paper gives no values, nor B_s and B_c) are expressed in steps:
-  ``server_steps`` (default T) and ``train_args.local_steps``, at ``train_args.batch_size``.
-* The paper says lambda is "small" at first and "gradually becomes larger" but gives no
-  numbers; 0.1 -> 1 over 10 rounds is this project's default.
-* Bootstrapping (Sec. 4.1.3) gives no length or schedule: by default it is the supervised
-  budget the server spends over the whole run (``comm_round x server_steps`` steps), with this
-  project's cosine decay from ``train_args.learning_rate`` to ~0.
-* The server's optimiser (Eq. 4) uses ``train_args.momentum`` like the clients' (the paper
-  states momentum for the clients only) and a fresh momentum buffer every round.
-* Probabilities for the ensemble and for the thresholds come from the model in eval mode on
-  unaugmented inputs (Eq. 5/7 write ``p(x_i; w)``).
-* Every client folds every round's model into its ensemble, sampled or not (Algorithm 1 step 2:
-  "All clients download global model w^t and confidence threshold vector tau^t from the server";
-  :meth:`FedSEAL.broadcasts_to_all`). What it costs: each round the server sends K models, not
-  C_k (counted in ``bytes_down``), and each client not sampled runs one eval-mode forward pass over
-  its unlabeled data (:meth:`FedSEAL.client_receive`). The local simulator delivers to those
-  clients after the sampled ones trained; a FedML deployment sends every silo its message (the
-  silos not sampled fold it and stay idle); pooled FedML workers (a simulation) have the server
-  process fold it into its copy of those silos' states, each trained silo uploading its state
-  after every round (counted in ``state_bytes_up``). Both runtimes end with the same states.
-* Eq. 5 is kept in [0, 1], as Sec. 4.1.2 states ``tau_m^t in [0, 1]``: the ratio as written
-  exceeds 1 for an over-predicted class (which would then keep no positive for rounds) and is
-  clipped to 1; a class no validation sample is predicted as gets 0 (every client sample
-  predicted as that class is kept); a class absent from the validation set gets 1.
-* Logging: ``runtime`` evaluates after each round the model broadcast in that round (Algorithm 1
-  trains the server first); :meth:`FedSEAL.finalize` averages in the last round's clients with
-  one more server update, so the final model has seen every round.
-* Ablations of Sec. 5.2: ``self_ensemble: false`` (current model only, Fig. 5),
-  ``fixed_threshold`` (one threshold for all classes, Sec. 5.2.4), ``negative_learning: false``
-  (positive loss only, Sec. 5.2.3).
+Deviations:
+
+* Epochs are steps (``server_steps``, default T; ``train_args.local_steps``); the paper gives no
+  epoch or batch counts.
+* lambda ramps 0.1 -> 1 over 10 rounds (``lambda_start``, ``lambda_end``, ``lambda_rampup_rounds``):
+  the paper says only "small at first".
+* The bootstrap's length (the run's whole server budget) and its cosine decay are this project's.
+* The server's SGD uses ``train_args.momentum`` with a fresh buffer each round.
+* Eq. 5 is clipped to 1; a class never predicted gets 0, a class absent from validation 1.
+* ``lr_times_train_schedule: true`` also multiplies the rate by ``train_args.lr_schedule``.
+* :meth:`FedSEAL.finalize` averages the last round's clients in with one more server update.
+
+Provenance and details: docs/algorithms.md#fedseal-bian-et-al-2021
 """
 
 from __future__ import annotations

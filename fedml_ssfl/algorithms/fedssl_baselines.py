@@ -1,65 +1,36 @@
-"""The naive FL+SSL baselines of FedMatch: FedAvg / FedProx x FixMatch / UDA.
+"""FedMatch's naive FL+SSL baselines: FedAvg / FedProx x FixMatch / UDA.
 
-Jeong et al. (2021, Sec. 5 and A.1; Tables 1-2, "FedAvg-" and "FedProx-UDA/FixMatch") compare
-FedMatch with the plain combination of a federated optimiser and a semi-supervised loss:
+Jeong et al., *Federated Semi-Supervised Learning with Inter-Client Consistency & Disjoint
+Learning*, 2021 (Sec. 5, A.1; Tables 1-2). Both label scenarios, from the global model w^t each
+round; the four names share :class:`FedSSLBaseline`, parameterised by the unlabeled loss
+(:class:`FixMatchConfig` or :class:`UDAConfig`) and the proximal coefficient ``mu`` (0: FedAvg).
 
-* FixMatch (Sohn et al. 2020, Sec. 2.2): ``lambda_s l_s + lambda_u l_u`` with ``l_u`` the
-  cross-entropy of the confident (tau) argmax of the weak view on f(A(u))
-  (:func:`~fedml_ssfl.ssl.fixmatch_loss`);
-* UDA (Xie et al. 2020): ``lambda_s l_s + lambda_u KL(softmax(f(weak(u)) / T) || f(A(u)))`` kept
-  where the unsharpened confidence reaches 0.8, T = 0.4 (:func:`~fedml_ssfl.ssl.uda_loss`), with
-  Training Signal Annealing on ``l_s``;
-* FedAvg (McMahan et al. 2017): the clients' models averaged, weighted by their sample counts;
-* FedProx (Li et al. 2020, the local objective h_k, Eq. 2): FedAvg whose clients add ``mu/2 ||w - w^t||^2``
-  (:func:`~fedml_ssfl.training.proximal_term`, mu = 1e-2 as in Jeong et al. Table 4).
+Equations (plain text; a() the weak view, A() the strong view, T = train_args.local_steps)::
 
-Defaults are FedMatch's (Table 4 and Appendix A.1), the settings its tables ran these baselines
-with: lambda_s = 10 (the labeled loss, clients and server alike), lambda_u = 1, unlabeled batch
-B^U = 100, FixMatch's threshold tau = 0.85 ("We fix confidence threshold tau = 0.85 for all
-FixMatch and our model experiments"), UDA with TSA on the exponential schedule ("UDA with the
-Training Signal Annealing (TSA) and exponential scheduling"), and the original image as the weak
-view ("we use original images rather than weakly augmenting the images"; ``weak_view: weak``
-restores FixMatch's flip-and-shift). The labeled batch is ``train_args.batch_size`` (Table 4:
-B^S = 10 at a client, 100 at the server).
+    client loss:  lambda_s l_s + lambda_u l_u  (+ mu/2 ||w - w^t||^2 for FedProx, Li et al. Eq. 2)
+    FixMatch:     l_u = mean_b 1(max q_b >= tau) CE(argmax q_b, f(A(u_b))),  q_b = f(a(u_b))
+                  (Sohn et al. Sec. 2.2; :func:`~fedml_ssfl.ssl.fixmatch_loss`)
+    UDA:          l_u = mean_b 1(max q_b >= 0.8) KL(softmax(z_b / 0.4) || f(A(u_b))),  z_b the logits
+                  of a(u_b); TSA on l_s (Xie et al.; :func:`~fedml_ssfl.ssl.uda_loss`)
+    labels-at-client: T steps at each client; the server averages weighted by sample counts N_k
+    labels-at-server, server_protocol: sequential (FedMatch Algorithm 2): the server takes T steps of
+                  lambda_s CE on its labels, broadcasts; clients take T steps of lambda_u l_u;
+                  w^{t+1} = the clients' weighted average (the server not one of them)
+    labels-at-server, server_protocol: parallel (Zhang et al. Eq. 5): the server's T steps run beside
+                  the clients' from w^t and the server is averaged in as one model
 
-Both label scenarios, from the global model ``w^t`` each round:
+Defaults are FedMatch's (Table 4, A.1): lambda_s 10, lambda_u 1, B^U 100, tau 0.85, UDA's TSA on the
+exponential schedule, the original image as the weak view (``weak_view: weak`` for flip-and-shift),
+mu 1e-2. ``include_server: true`` in labels-at-client also trains the server (not in the papers).
 
-* labels-at-client: each sampled client takes T = ``train_args.local_steps`` SGD steps on
-  ``lambda_s l_s`` over a batch of its labeled samples plus ``lambda_u l_u`` over a batch of its
-  unlabeled samples (plus the proximal term); the server only aggregates, weighting client k by
-  its sample count N_k (Jeong et al. Sec. 2);
-* labels-at-server, ``server_protocol: sequential`` (default; FedMatch Sec. 5, Algorithm 2: "the
-  global model G performs supervised learning on S^G ... before broadcasting theta^G to local
-  clients"): the server first takes T steps of ``lambda_s`` cross-entropy on its labels, then
-  broadcasts that trained model; the clients take T steps of ``lambda_u l_u`` alone (plus the
-  proximal term) from it; the new global model is the average of the clients' models (the server
-  is not one of them, Algorithm 2 line 15);
-* labels-at-server, ``server_protocol: parallel`` (Zhang et al.'s protocol, Eq. 5, as
-  ``fedavg_ssl`` runs it): server and clients all start from ``w^t``; the server's T supervised
-  steps run beside the clients' and the server is averaged in as one model.
+Deviations:
 
-``include_server`` picks the server's part: unset, the server trains in labels-at-server and
-only aggregates in labels-at-client; ``true`` in labels-at-client also trains the server on its
-N_s labels (a hybrid, not in the papers; ``server_protocol`` applies). A client without labeled
-samples skips ``l_s``, one without unlabeled samples skips ``l_u``, one with neither sends
-nothing; if no client sends anything the global model is the server's (sequential) or unchanged.
+* FedProx aggregates by sample counts like FedAvg (FedMatch: uniform), so ``mu: 0`` is FedAvg.
+* The optimiser and schedule are ``train_args`` (FedMatch: SGD 1e-3, adaptive decay on a
+  validation loss); TSA applies to the clients' labeled loss only; the server has no proximal term.
+* The strong view is the package's RandAugmentMC, stronger than FedMatch's authors' RandAugment.
 
-The four names share :class:`FedSSLBaseline`, parameterised by the unlabeled loss (the config
-class: :class:`FixMatchConfig` or :class:`UDAConfig`) and the proximal coefficient (``mu``,
-0 for FedAvg).
-
-Deviations from the papers, all on purpose:
-
-* FedMatch reports FedProx averaging uniformly; here FedProx aggregates exactly like FedAvg (by
-  sample counts), so ``mu = 0`` reproduces FedAvg bit for bit and only the proximal term differs;
-* the optimiser and schedule are ``train_args`` (FedMatch: SGD at 1e-3 with Serra et al.'s
-  adaptive decay on a validation loss, which a federated run without a validation split cannot
-  follow); TSA (UDA) applies to the clients' labeled loss only, never to the server's steps;
-* the server's supervised steps carry no proximal term (it starts each round at ``w^t``);
-* the strong view A(u) is FixMatch's RandAugmentMC (:mod:`fedml_ssfl.data.augment`: 2 ops, each
-  applied half the time at a magnitude 1..9 of 10, then a 17 / 8 px cutout), stronger than the
-  FedMatch authors' (Jeong et al. A.1: "RandAugment ... with random magnitude"; their code draws
-  the magnitude in [2, 5], no cutout), with which FedMatch's tables ran these baselines.
+Provenance and details: docs/algorithms.md#fedavg--fedprox-x-fixmatch--uda
 """
 
 from __future__ import annotations

@@ -1,39 +1,28 @@
-"""Local-only baselines of FedMatch: Local-SL, Local-FixMatch, Local-UDA (no sharing at all).
+"""FedMatch's local-only baselines: Local-SL, Local-FixMatch, Local-UDA (no sharing at all).
 
-Jeong et al. (2021, Sec. 5, Tables 1-2) report "Local-" baselines: every client trains its own
-model on its own data and nothing is ever aggregated; the accuracy is the mean over the clients'
-models. The client losses are those of :mod:`.fedssl_baselines`:
+Jeong et al., *Federated Semi-Supervised Learning with Inter-Client Consistency & Disjoint
+Learning*, 2021 (Sec. 5, Tables 1-2). Labels-at-client only (Table 2 marks Local-* N/A in
+labels-at-server). Each client trains its own model on its own data; nothing is aggregated.
 
-* ``local_sl``: cross-entropy (weak augmentation). As in FedMatch's tables, where "the SL models
-  learn on both S and U with full labels" (the upper bound), a client trains on all its samples
-  with their true labels by default; ``use_all_labels: false`` trains on its labeled samples only
-  (the lower bound);
-* ``local_fixmatch``: FixMatch (Sohn et al. 2020), see :class:`.FixMatchConfig`;
-* ``local_uda``: UDA (Xie et al. 2020), see :class:`.UDAConfig`.
+Equations (plain text; the losses of :mod:`.fedssl_baselines`)::
 
-Labels-at-client only: in labels-at-server the clients hold no labels, so a local model could
-learn nothing, and the server's model alone is ``server_only`` (FedMatch Table 2 marks Local-* N/A
-there).
+    local_sl:        CE(f(a(x)), y) over all the client's samples with their true labels
+                     (use_all_labels: false: its labeled samples only)
+    local_fixmatch:  lambda_s l_s + lambda_u l_u, l_u FixMatch's (:class:`.FixMatchConfig`)
+    local_uda:       lambda_s l_s + lambda_u l_u, l_u UDA's (:class:`.UDAConfig`)
+    accuracy:        mean (min, max) over the K clients' models (FedMatch's "Local-" rows)
 
-Protocol. A client keeps its own model in its persistent ``state["model"]`` (CPU tensors). The
-only traffic is the common initial model, which the server sends to a client the first time it is
-sampled (counted as download bytes); every later message is empty. After its T local steps a
-client replies ``Message(weights={}, extras={"eval_weights": ..., "metrics": ...})``: its model
-travels only so that the simulator can test it (``eval_weights`` is a diagnostic extra, never
-counted as communication). The server keeps each client's latest model; clients never sampled
-yet count with the initial model.
+Protocol: a client keeps its model in its persistent ``state["model"]``; the server sends the common
+initial model the first time a client is sampled (download bytes), every later message is empty.
+A client replies ``Message(weights={}, extras={"eval_weights": ..., "metrics": ...})``: its model
+travels only for evaluation, never counted as communication. :meth:`LocalBaseline.global_model`
+(single-model evaluation, export) is the model of the client with the most samples (ties: the
+lowest id): not a federated model, there is none.
 
-* :meth:`LocalBaseline.evaluation_models` returns one model per client (K of them), so the run's
-  accuracy is the mean (and the log's min / max) over the K clients, as FedMatch averages the
-  local models' accuracies. The models are loaded lazily into one shared module (K full models
-  are never held at once beyond their weights).
-* :meth:`LocalBaseline.global_model` (what a single-model evaluation or export sees) is the
-  model of the client that trained on the most samples (ties: the lowest id), the initial model
-  before any client has trained. It is not a federated model: there is none.
+Deviations: none from the losses; the server keeps a copy of every client model besides the
+clients' own states, so a checkpoint holds the local models twice.
 
-K is ``train_args.client_num_in_total`` (``TrainSettings.num_clients``). The server keeps a copy
-of every client model besides the clients' own states, so a checkpoint holds the local models
-twice.
+Provenance and details: docs/algorithms.md#local-only-baselines
 """
 
 from __future__ import annotations

@@ -12,10 +12,8 @@ unlabeled batch (masked-out samples count as zeros), exactly as in the paper; it
 loss as the SSFL benchmark's CRL (Zhang et al. Eq. 6), so it is built on
 :func:`~fedml_ssfl.ssl.losses.masked_consistency_loss`.
 
-Defaults are the paper's: tau = 0.95, lambda_u = 1. Deviations used by the federated baselines
-(see :mod:`fedml_ssfl.algorithms.fedssl_baselines`): the FedMatch authors (Jeong et al. 2021,
-Sec. A.1) fix tau = 0.85 and pseudo-label the un-augmented image; here the default is the FixMatch
-paper's tau and alpha(u).
+Defaults are the paper's: tau = 0.95, lambda_u = 1. FedMatch's baselines run it at tau = 0.85 on
+the un-augmented image (docs/algorithms.md#fedavg--fedprox-x-fixmatch--uda).
 """
 
 from __future__ import annotations

@@ -1,30 +1,20 @@
 """UDA: unsupervised data augmentation for consistency training (Xie et al. 2020).
 
-UDA trains the prediction on a strongly augmented view A(u) towards the model's own prediction
-on a clean view, with three refinements the paper uses on images:
+Equations (plain text; u unlabeled, A() strong augmentation, z the logits of the target's view)::
 
-* the consistency loss is ``KL(p~(y | u) || p(y | A(u)))`` with the target ``p~`` taken
-  without gradient, weighted by lambda_u = 1 in the final objective (supervised CE + lambda_u *
-  consistency);
-* sharpening: the target is ``softmax(z / T)`` with temperature T = 0.4;
-* confidence-based masking: a sample counts only where the *unsharpened* prediction's largest
-  probability reaches beta = 0.8; the mean runs over the whole batch (masked-out samples count
-  as zeros), as :func:`~fedml_ssfl.ssl.consistency.kl_consistency` does.
+    target    p~ = softmax(z / T), T = 0.4, without gradient          (sharpening)
+    mask      1(max softmax(z) >= beta), beta = 0.8                    (unsharpened confidence)
+    loss      mean over the whole batch of mask * KL(p~ || p(y | A(u)))  (masked samples count 0)
+    objective CE(labeled) + lambda_u loss, lambda_u = 1
+    TSA       at progress t in [0, 1], a labeled sample whose correct-class probability exceeds
+              eta_t = alpha_t (1 - 1/K) + 1/K leaves the supervised loss; alpha_t = t (linear),
+              1 - exp(-5 t) (log) or exp(5 (t - 1)) (exp)
 
-Training Signal Annealing (TSA) is provided as an option: at training progress t in [0, 1] a
-labeled sample whose correct-class probability is above ``eta_t = alpha_t (1 - 1/K) + 1/K`` is
-left out of the supervised loss, with ``alpha_t`` = t (linear), ``1 - exp(-5 t)`` (log) or
-``exp(5 (t - 1))`` (exp). The FedMatch authors (Jeong et al. 2021, Sec. A.1) ran their UDA baseline
-with the exp schedule.
+Which view gives the target is the caller's (:func:`uda_loss` takes its logits): the baselines'
+``weak_view`` (docs/algorithms.md#fedavg--fedprox-x-fixmatch--uda).
 
-Which view gives the target is the caller's: :func:`uda_loss` takes the logits of that view. The
-federated and local baselines (:mod:`fedml_ssfl.algorithms.fedssl_baselines`) feed the original,
-un-augmented image by default (``weak_view: plain``: UDA's own code, and FedMatch's A.1, "we use
-original images rather than weakly augmenting the images"), or the weak view alpha(u)
-(flip-and-shift) with ``weak_view: weak``.
-
-Deviation: UDA's code keeps samples whose confidence is strictly above beta; here the mask is
-``>= beta`` (as for FixMatch's tau).
+Deviation: UDA's code keeps samples strictly above beta; here the mask is ``>= beta``, as for
+FixMatch's tau.
 """
 
 from __future__ import annotations
