@@ -72,7 +72,7 @@ def test_a_peer_unreachable_for_the_budget_is_reported_with_the_diagnosed_cause(
     assert 1.9 <= took < 10, took
     (event,) = reports
     assert isinstance(event, Undelivered) and event.label == "a task of round 3" and event.peer == 3
-    assert "connection refused" in event.cause and not peer.arrived
+    assert "connection refused" in event.cause and "FEDML_SSFL_OUTAGE_BUDGET 2 s" in event.cause and not peer.arrived
     box.close()
 
 

@@ -210,7 +210,10 @@ class Outbox:
             if item.droppable:
                 return
             if now - first_failure >= budget:
-                self.report(Undelivered(self.peer, item.label, cause.text, code))
+                tried = f"tried for {now - first_failure:.0f} s" + (
+                    f", FEDML_SSFL_OUTAGE_BUDGET {budget:.0f} s" if item.budget is None else ""
+                )
+                self.report(Undelivered(self.peer, item.label, f"{cause.text} ({tried})", code))
                 return
             if not self._pause(min(pause, max(0.0, first_failure + budget - now))):
                 return

@@ -357,7 +357,9 @@ class SSFLServerManager(FedMLServerManager):
             self.dead.add(peer)
             self._maybe_finish()
             return
-        if not self.is_initialized:  # a rank not yet admitted: named with the others at the connect timeout
+        if not self.is_initialized and msg_params.get("code") == "PERMISSION_DENIED":
+            # a rank not yet admitted drops what this server seals (another job key): named with the
+            # others at the connect timeout; a TLS mismatch, found by the transport, ends the start at once
             if peer not in self.refused:
                 log.error("could not deliver %s to %s: %s", label, self.describe_rank(peer), cause)
             self.refused[peer] = f"could not deliver {label} to it: {cause}"
