@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from fedml_ssfl.config import load_config  # noqa: E402
 from fedml_ssfl.experiment import export_deployment  # noqa: E402
 from tests.conftest import SMALL  # noqa: E402
+from tests.lab_job import lab_job_config  # noqa: E402
 from tests.netlab import Lab  # noqa: E402
 
 SUBNET = "10.203.0"
@@ -57,29 +57,7 @@ def job_config(tmp: Path, rounds: int, silos: int) -> Path:
         ],
     )
     exported = export_deployment(sim, tmp / "data", backend="GRPC")
-    certs = tmp / "certs"
-    sans = [f"IP:{SUBNET}.{i + 1}" for i in range(len(HOSTS))]
-    subprocess.run(
-        ["bash", str(ROOT / "deploy/make_test_certs.sh"), str(certs), str(len(HOSTS)), *sans],
-        check=True,
-        capture_output=True,
-    )
-    ipconfig = tmp / "ipconfig.csv"
-    rows = [f"{r},{r},{SUBNET}.{r + 1},8890" for r in range(len(HOSTS))]
-    ipconfig.write_text("eid,rank,grpc_server_ip,grpc_server_port\n" + "\n".join(rows) + "\n")
-    cfg = load_config(
-        exported,
-        [
-            f"comm_args.grpc_ipconfig_path={ipconfig}",
-            f"comm_args.tls_ca={certs / 'ca.pem'}",
-            f"comm_args.tls_cert={certs / 'rank{rank}.pem'}",
-            f"comm_args.tls_key={certs / 'rank{rank}.key'}",
-            f"comm_args.job_key_file={certs / 'job.key'}",
-        ],
-    )
-    path = tmp / "job.yaml"
-    path.write_text(cfg.to_yaml())
-    return path
+    return lab_job_config(tmp, exported, len(HOSTS), SUBNET, 8890)
 
 
 def one_run(tmp: Path, config: Path, delay: float, code: Path, timeout: float) -> dict:

@@ -5,7 +5,6 @@ fail to decode, whatever the exception, are dropped with one line naming the pee
 
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -19,17 +18,6 @@ pytest.importorskip("grpc")
 KEY = b"k" * 64
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture
 def worker():
     """Rank 1's transport (listening on 127.0.0.1), the server's sealer, and a message builder."""
@@ -37,6 +25,7 @@ def worker():
 
     from fedml_ssfl.runtime.fedml.transports import QuietGrpcComm
     from fedml_ssfl.runtime.fedml.wire import WireMeter
+    from tests.test_fedml_grpc import free_ports
 
     p0, p1 = free_ports(2)
     security = JobSecurity("job", KEY, None)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from fedml_ssfl.experiment import export_deployment
 from fedml_ssfl.runtime.fedml.worker import saved_rounds
 from fedml_ssfl.runtime.local import run_local
 from tests.conftest import SMALL
+from tests.lab_job import lab_job_config
 from tests.netlab import Proc
 
 pytest.importorskip("fedml")
@@ -68,24 +68,7 @@ def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("netjob")
     sim = load_config(None, [*SETTINGS, f"common_args.output_dir={tmp / 'runs'}", "common_args.run_name=sim"])
     exported = export_deployment(sim, tmp / "data", backend="GRPC")
-    certs = tmp / "certs"
-    sans = [f"IP:{SUBNET}.{i + 1}" for i in range(len(HOSTS))]
-    subprocess.run(["bash", str(ROOT / "deploy/make_test_certs.sh"), str(certs), str(len(HOSTS)), *sans], check=True)
-    ipconfig = tmp / "ipconfig.csv"
-    rows = [f"{r},{r},{SUBNET}.{r + 1},{PORT}" for r in range(len(HOSTS))]
-    ipconfig.write_text("eid,rank,grpc_server_ip,grpc_server_port\n" + "\n".join(rows) + "\n")
-    cfg = load_config(
-        exported,
-        [
-            f"comm_args.grpc_ipconfig_path={ipconfig}",
-            f"comm_args.tls_ca={certs / 'ca.pem'}",
-            f"comm_args.tls_cert={certs / 'rank{rank}.pem'}",
-            f"comm_args.tls_key={certs / 'rank{rank}.key'}",
-            f"comm_args.job_key_file={certs / 'job.key'}",
-        ],
-    )
-    config = tmp / "job.yaml"
-    config.write_text(cfg.to_yaml())
+    config = lab_job_config(tmp, exported, len(HOSTS), SUBNET, PORT)
     local = run_local(sim, run_dir=tmp / "local")
     return {"config": config, "local": local.run_dir}
 
