@@ -28,24 +28,56 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("source", help="a run directory (checkpoints/last.pt + config.yaml) or a checkpoint file")
     parser.add_argument("--out", help="output directory (default: RUN_DIR/export)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
-    parser.add_argument("--threshold", dest="thresholds", type=float, nargs="+", metavar="TAU",
-                        help="default thresholds: one tau for every class, or one per class "
-                             "(default: the checkpoint's class-wise ones, else ssfl_args.threshold, else 0.95)")
+    parser.add_argument(
+        "--threshold",
+        dest="thresholds",
+        type=float,
+        nargs="+",
+        metavar="TAU",
+        help="default thresholds: one tau for every class, or one per class "
+        "(default: the checkpoint's class-wise ones, else ssfl_args.threshold, else 0.95)",
+    )
     parser.add_argument("--no-int8", dest="quantize", action="store_false", help="skip the int8 model and its gates")
-    parser.add_argument("--parity-samples", type=int, default=None,
-                        help=f"test images for parity and gates (default {DEFAULT_PARITY_SAMPLES}; 0 = all)")
-    parser.add_argument("--calibration-samples", type=int, default=DEFAULT_CALIBRATION_SAMPLES,
-                        help=f"client images for int8 calibration (default {DEFAULT_CALIBRATION_SAMPLES})")
-    parser.add_argument("--weights", default=DEFAULT_WEIGHTS, metavar="KEY",
-                        help="which model in the checkpoint's algorithm state (default: global_state; "
-                             "e.g. group_states.1 for a FedAvg-SSL group model)")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_ORT_BATCH, metavar="N",
-                        help=f"fix the batch of the .ort files to N (default {DEFAULT_ORT_BATCH}: NNAPI and CoreML "
-                             "need fixed shapes; 0 keeps it dynamic); the .onnx files keep a dynamic batch")
-    parser.add_argument("--legacy-exporter", dest="dynamo", action="store_false",
-                        help="use the TorchScript exporter instead of dynamo")
-    parser.add_argument("--max-acc-drop", type=float, default=100 * MAX_ACC_DROP,
-                        help="int8 gate: largest test accuracy drop, in points (default 1)")
-    parser.add_argument("--min-agreement", type=float, default=100 * MIN_AGREEMENT,
-                        help="int8 gate: smallest pseudo-label agreement with the float model, in %% (default 98)")
+    parser.add_argument(
+        "--parity-samples",
+        type=int,
+        default=None,
+        help=f"test images for parity and gates (default {DEFAULT_PARITY_SAMPLES}; 0 = all)",
+    )
+    parser.add_argument(
+        "--calibration-samples",
+        type=int,
+        default=DEFAULT_CALIBRATION_SAMPLES,
+        help=f"client images for int8 calibration (default {DEFAULT_CALIBRATION_SAMPLES})",
+    )
+    parser.add_argument(
+        "--weights",
+        default=DEFAULT_WEIGHTS,
+        metavar="KEY",
+        help="which model in the checkpoint's algorithm state (default: global_state; "
+        "e.g. group_states.1 for a FedAvg-SSL group model)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_ORT_BATCH,
+        metavar="N",
+        help=f"fix the batch of the .ort files to N (default {DEFAULT_ORT_BATCH}: NNAPI and CoreML "
+        "need fixed shapes; 0 keeps it dynamic); the .onnx files keep a dynamic batch",
+    )
+    parser.add_argument(
+        "--legacy-exporter", dest="dynamo", action="store_false", help="use the TorchScript exporter instead of dynamo"
+    )
+    parser.add_argument(
+        "--max-acc-drop",
+        type=float,
+        default=100 * MAX_ACC_DROP,
+        help="int8 gate: largest test accuracy drop, in points (default 1)",
+    )
+    parser.add_argument(
+        "--min-agreement",
+        type=float,
+        default=100 * MIN_AGREEMENT,
+        help="int8 gate: smallest pseudo-label agreement with the float model, in %% (default 98)",
+    )
     return parser

@@ -94,8 +94,7 @@ def channel_order(channels: int) -> str:
 
 def image_rule_metadata(channels: int) -> dict[str, str]:
     """The image rule's metadata keys for a model of ``channels`` channels (the exporter writes them)."""
-    return {"layout": LAYOUT, "channel_order": channel_order(channels), "resize": RESIZE_RULE,
-            "resample": RESAMPLE}
+    return {"layout": LAYOUT, "channel_order": channel_order(channels), "resize": RESIZE_RULE, "resample": RESAMPLE}
 
 
 MAX_MODEL_BYTES = 2**31
@@ -144,9 +143,11 @@ def _naming(path: Path):
 def _check_budget(source: Path, what: str, nbytes: int) -> None:
     budget = input_budget()
     if nbytes > budget:
-        raise EdgeInputError(f"{source}: {what} would take {nbytes / 2**20:.1f} MiB decoded, more than the "
-                             f"{budget / 2**20:.1f} MiB one input may take here (a quarter of the memory); "
-                             "split it into smaller batches")
+        raise EdgeInputError(
+            f"{source}: {what} would take {nbytes / 2**20:.1f} MiB decoded, more than the "
+            f"{budget / 2**20:.1f} MiB one input may take here (a quarter of the memory); "
+            "split it into smaller batches"
+        )
 
 
 def _npy_header(fh, size: int, source: Path, key: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -163,12 +164,16 @@ def _npy_header(fh, size: int, source: Path, key: str) -> tuple[tuple[int, ...],
     except (ValueError, OSError, EOFError, SyntaxError, zipfile.BadZipFile) as exc:
         raise EdgeInputError(f"{source}: {key} is not a readable .npy array ({exc}); save it with np.save") from None
     if dtype.hasobject:
-        raise EdgeInputError(f"{source}: {key} is an object array (pickled Python objects, never loaded); save "
-                             "uint8 images (N, C, H, W) with np.save")
+        raise EdgeInputError(
+            f"{source}: {key} is an object array (pickled Python objects, never loaded); save "
+            "uint8 images (N, C, H, W) with np.save"
+        )
     nbytes = math.prod(shape) * dtype.itemsize
     if offset + nbytes > size:
-        raise EdgeInputError(f"{source}: {key}'s header claims shape {tuple(shape)} of {dtype} ({nbytes} bytes), but "
-                             f"the file holds {size - offset} bytes of data: it is damaged or cut short; save it again")
+        raise EdgeInputError(
+            f"{source}: {key}'s header claims shape {tuple(shape)} of {dtype} ({nbytes} bytes), but "
+            f"the file holds {size - offset} bytes of data: it is damaged or cut short; save it again"
+        )
     _check_budget(source, f"{key} {tuple(shape)} of {dtype}", nbytes)
     return tuple(shape), dtype
 
@@ -186,8 +191,9 @@ def _read_npz(path: Path) -> tuple[np.ndarray, list[str] | None]:
             members = {i.filename[:-4]: i for i in zf.infolist() if i.filename.endswith(".npy")}
             key = "images" if "images" in members else (next(iter(members)) if len(members) == 1 else None)
             if key is None:
-                raise EdgeInputError(f"{path}: an .npz needs an 'images' array (found "
-                                     f"{', '.join(members) or 'nothing'})")
+                raise EdgeInputError(
+                    f"{path}: an .npz needs an 'images' array (found {', '.join(members) or 'nothing'})"
+                )
             for name in (key, "ids"):
                 if name in members:
                     with zf.open(members[name]) as fh:
@@ -303,9 +309,11 @@ class EdgeLabeler:
         if not path.is_file():
             raise EdgeInputError(f"model file {path} does not exist")
         if path.stat().st_size > MAX_MODEL_BYTES:
-            raise EdgeInputError(f"{path} has {path.stat().st_size / 2**30:.1f} GiB, more than the 2 GiB an ONNX model "
-                                 "file can hold: not an exported edge model; pass the model.onnx / model.ort that "
-                                 "`fedml-ssfl export` wrote")
+            raise EdgeInputError(
+                f"{path} has {path.stat().st_size / 2**30:.1f} GiB, more than the 2 GiB an ONNX model "
+                "file can hold: not an exported edge model; pass the model.onnx / model.ort that "
+                "`fedml-ssfl export` wrote"
+            )
         if threads < 0:
             raise EdgeInputError(f"threads must be >= 0 (0: onnxruntime's own choice), got {threads}")
         so = ort.SessionOptions()
@@ -316,28 +324,40 @@ class EdgeLabeler:
             self.session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime's own types: InvalidProtobuf, Fail, ...
             reason = "an empty file" if path.stat().st_size == 0 else _ort_reason(exc)
-            raise EdgeInputError(f"{path} is not an ONNX model onnxruntime can load ({reason}): another "
-                                 "kind of file, or truncated; export the model with `fedml-ssfl export RUN_DIR` and "
-                                 "pass its model.onnx / model.ort (or model.int8.*)") from None
+            raise EdgeInputError(
+                f"{path} is not an ONNX model onnxruntime can load ({reason}): another "
+                "kind of file, or truncated; export the model with `fedml-ssfl export RUN_DIR` and "
+                "pass its model.onnx / model.ort (or model.int8.*)"
+            ) from None
         meta = self.session.get_modelmeta().custom_metadata_map
         if meta.get("format") not in READABLE_FORMATS:
-            raise EdgeInputError(f"{path} is not a fedml_ssfl edge model (metadata 'format' is "
-                                 f"{meta.get('format')!r}, expected {FORMAT_TAG!r}); export it with mobile_export")
+            raise EdgeInputError(
+                f"{path} is not a fedml_ssfl edge model (metadata 'format' is "
+                f"{meta.get('format')!r}, expected {FORMAT_TAG!r}); export it with mobile_export"
+            )
         try:
             # the input's own dimensions: the one source of truth for the shape (metadata input_shape copies them)
             _, c, h, w = next(i.shape for i in self.session.get_inputs() if i.name == INPUT_NAMES[0])
             self.info = ModelInfo(
-                path=path, class_names=[str(n) for n in json.loads(meta["class_names"])], channels=int(c),
-                height=int(h), width=int(w),
+                path=path,
+                class_names=[str(n) for n in json.loads(meta["class_names"])],
+                channels=int(c),
+                height=int(h),
+                width=int(w),
                 default_thresholds=[float(v) for v in json.loads(meta["default_thresholds"])],
-                model_version=meta.get("model_version", ""), config_hash=meta.get("config_hash", ""),
-                precision=meta.get("precision", ""), algorithm=meta.get("algorithm", ""),
-                round=int(meta.get("round", -1)), format_version=READABLE_FORMATS[meta["format"]],
+                model_version=meta.get("model_version", ""),
+                config_hash=meta.get("config_hash", ""),
+                precision=meta.get("precision", ""),
+                algorithm=meta.get("algorithm", ""),
+                round=int(meta.get("round", -1)),
+                format_version=READABLE_FORMATS[meta["format"]],
                 batch_size=model_batch_size(self.session),
             )
         except (KeyError, ValueError, TypeError, StopIteration) as exc:
-            raise EdgeInputError(f"{path}: its edge metadata is incomplete or damaged ({type(exc).__name__}: {exc}); "
-                                 "export the model again with `fedml-ssfl export`") from None
+            raise EdgeInputError(
+                f"{path}: its edge metadata is incomplete or damaged ({type(exc).__name__}: {exc}); "
+                "export the model again with `fedml-ssfl export`"
+            ) from None
 
     def thresholds(self, values=None) -> np.ndarray:
         """The model's default thresholds, or ``values`` (one tau for all classes, or one per class)."""
@@ -348,8 +368,10 @@ class EdgeLabeler:
         if arr.size == 1:
             arr = np.full(k, arr[0])
         if arr.size != k:
-            raise EdgeInputError(f"thresholds: got {arr.size} values for a model with {k} classes; "
-                                 f"give one tau or {k} values, one per class")
+            raise EdgeInputError(
+                f"thresholds: got {arr.size} values for a model with {k} classes; "
+                f"give one tau or {k} values, one per class"
+            )
         if not np.all((arr >= 0) & (arr <= 1)):
             raise EdgeInputError("thresholds: every value must lie in [0, 1]")
         return arr.astype(np.float32)
@@ -408,8 +430,9 @@ class EdgeLabeler:
 # reading images
 
 
-def load_images(path: str | Path, labeler: EdgeLabeler | None = None,
-                steps: Counter | None = None) -> tuple[list[str], np.ndarray]:
+def load_images(
+    path: str | Path, labeler: EdgeLabeler | None = None, steps: Counter | None = None
+) -> tuple[list[str], np.ndarray]:
     """Read unlabeled images and their sample ids from a ``.npy`` / ``.npz`` batch or a folder of files.
 
     A batch must hold the model's input as it is, uint8 ``(N, C, H, W)``; image files of any size
@@ -435,8 +458,10 @@ def load_images(path: str | Path, labeler: EdgeLabeler | None = None,
         if len(ids) != len(images):
             raise EdgeInputError(f"{p}: 'ids' has {len(ids)} entries for {len(images)} images")
     else:
-        raise EdgeInputError(f"input {p}: expected a .npy or .npz batch of uint8 (N, C, H, W) images, or a folder "
-                             f"of image files ({', '.join(IMAGE_SUFFIXES)})")
+        raise EdgeInputError(
+            f"input {p}: expected a .npy or .npz batch of uint8 (N, C, H, W) images, or a folder "
+            f"of image files ({', '.join(IMAGE_SUFFIXES)})"
+        )
     if len(set(ids)) != len(ids):
         raise EdgeInputError(f"{p}: sample ids must be unique")
     if labeler is not None:
@@ -448,14 +473,19 @@ def _load_folder(folder: Path, info: ModelInfo, steps: Counter) -> tuple[list[st
     try:
         import PIL.Image  # noqa: F401  (is Pillow there? prepare_image reads files with it)
     except ImportError as exc:
-        raise EdgeInputError(f"reading image files from {folder} needs Pillow (pip install pillow); "
-                             f"or pass a .npy/.npz batch of {info.expected}") from exc
+        raise EdgeInputError(
+            f"reading image files from {folder} needs Pillow (pip install pillow); "
+            f"or pass a .npy/.npz batch of {info.expected}"
+        ) from exc
     files = sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise EdgeInputError(f"{folder} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
     _rule_channels(info.shape, folder)
-    _check_budget(folder, f"{len(files)} images of {info.width}x{info.height}",
-                  len(files) * info.channels * info.height * info.width)
+    _check_budget(
+        folder,
+        f"{len(files)} images of {info.width}x{info.height}",
+        len(files) * info.channels * info.height * info.width,
+    )
     out = np.empty((len(files), *info.shape), dtype=np.uint8)
     for i, f in enumerate(files):
         out[i], done = _prepare(f, info.shape)
@@ -519,9 +549,11 @@ def prepare_image(image, shape: tuple[int, int, int]) -> np.ndarray:
 
 def _rule_channels(shape: tuple[int, int, int], where) -> None:
     if shape[0] not in (1, 3):
-        raise EdgeInputError(f"{where}: the image rule feeds 1- (L) or 3-channel (RGB) models; this one takes "
-                             f"{shape[0]} channels: pass a .npy/.npz batch of uint8 (N, {shape[0]}, {shape[1]}, "
-                             f"{shape[2]}) images")
+        raise EdgeInputError(
+            f"{where}: the image rule feeds 1- (L) or 3-channel (RGB) models; this one takes "
+            f"{shape[0]} channels: pass a .npy/.npz batch of uint8 (N, {shape[0]}, {shape[1]}, "
+            f"{shape[2]}) images"
+        )
 
 
 def _prepare(image, shape: tuple[int, int, int]) -> tuple[np.ndarray, list[str]]:
@@ -567,20 +599,33 @@ def _read_file(path: Path, done: list[str]) -> np.ndarray:
             with Image.open(path) as img:
                 width, height = img.size
                 if width * height > MAX_IMAGE_PIXELS:
-                    raise EdgeInputError(f"{path}: {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} "
-                                         f"({math.isqrt(MAX_IMAGE_PIXELS)}x{math.isqrt(MAX_IMAGE_PIXELS)}) an image "
-                                         "may have here; scale it down first")
+                    raise EdgeInputError(
+                        f"{path}: {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} "
+                        f"({math.isqrt(MAX_IMAGE_PIXELS)}x{math.isqrt(MAX_IMAGE_PIXELS)}) an image "
+                        "may have here; scale it down first"
+                    )
                 _check_budget(path, f"a {width}x{height} image", width * height * BYTES_PER_PIXEL)
                 return _from_pillow(img, str(path), done)
     except Image.DecompressionBombError:
-        raise EdgeInputError(f"{path}: more pixels than Pillow opens (a decompression bomb?); an image may have at "
-                             f"most {MAX_IMAGE_PIXELS} pixels here; scale it down first") from None
+        raise EdgeInputError(
+            f"{path}: more pixels than Pillow opens (a decompression bomb?); an image may have at "
+            f"most {MAX_IMAGE_PIXELS} pixels here; scale it down first"
+        ) from None
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
         raise EdgeInputError(f"{path}: unreadable or corrupt image ({exc}); save it again, or remove it") from None
 
 
-_TO_RGB = {"RGBX": "RGB", "CMYK": "RGB", "YCbCr": "RGB", "LAB": "RGB", "HSV": "RGB", "RGBa": "RGBA", "La": "LA",
-           "PA": "RGBA", "1": "L"}
+_TO_RGB = {
+    "RGBX": "RGB",
+    "CMYK": "RGB",
+    "YCbCr": "RGB",
+    "LAB": "RGB",
+    "HSV": "RGB",
+    "RGBa": "RGBA",
+    "La": "LA",
+    "PA": "RGBA",
+    "1": "L",
+}
 """Pillow modes converted by Pillow before the rest of the rule (a palette goes to RGB or RGBA, see below)."""
 
 
@@ -593,8 +638,10 @@ def _from_pillow(img, where: str, done: list[str]) -> np.ndarray:
         done.append("rotated")
     mode = img.mode
     if mode == "F":
-        raise EdgeInputError(f"{where}: a 32-bit float image (Pillow mode F); the model takes 8-bit pixels: save it "
-                             "as 8-bit grayscale or RGB")
+        raise EdgeInputError(
+            f"{where}: a 32-bit float image (Pillow mode F); the model takes 8-bit pixels: save it "
+            "as 8-bit grayscale or RGB"
+        )
     if mode == "I" or mode.startswith("I;16"):  # 16-bit grey (32-bit I clipped to 16 bits); scaled in _from_array
         return _from_array(np.clip(np.asarray(img), 0, 65535).astype(np.uint16), done)
     if mode == "P":
@@ -605,8 +652,9 @@ def _from_pillow(img, where: str, done: list[str]) -> np.ndarray:
         try:
             img = img.convert("RGB")
         except ValueError as exc:
-            raise EdgeInputError(f"{where}: a Pillow mode {mode} image cannot be read as RGB ({exc}); save it as "
-                                 "8-bit grayscale or RGB") from None
+            raise EdgeInputError(
+                f"{where}: a Pillow mode {mode} image cannot be read as RGB ({exc}); save it as 8-bit grayscale or RGB"
+            ) from None
     return _from_array(np.asarray(img), done)
 
 
@@ -616,8 +664,10 @@ def _from_array(arr: np.ndarray, done: list[str]) -> np.ndarray:
     if arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4) and arr.shape[0] in (1, 3, 4):
         raise EdgeInputError(f"image: a {shape}: channels first? pass image.transpose(1, 2, 0), channels last")
     if arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4)) or 0 in arr.shape[:2]:
-        raise EdgeInputError(f"image: a {shape}; expected (H, W) grey or (H, W, C) with C 1 (grey), 2 (grey, "
-                             "alpha), 3 (R, G, B) or 4 (R, G, B, alpha)")
+        raise EdgeInputError(
+            f"image: a {shape}; expected (H, W) grey or (H, W, C) with C 1 (grey), 2 (grey, "
+            "alpha), 3 (R, G, B) or 4 (R, G, B, alpha)"
+        )
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 2:  # 16-bit: round(v / 257), exact in integers
         wide = arr.astype(np.uint32)
         wide += 128
@@ -625,8 +675,11 @@ def _from_array(arr: np.ndarray, done: list[str]) -> np.ndarray:
         arr = wide.astype(np.uint8)
         done.append("16-bit to 8-bit")
     elif arr.dtype != np.uint8:
-        hint = (" (floats in [0, 1]? use (image * 255).round().astype(np.uint8))" if arr.dtype.kind == "f" else
-                " (values 0..255? use image.astype(np.uint8); 16-bit ones: image.astype(np.uint16))")
+        hint = (
+            " (floats in [0, 1]? use (image * 255).round().astype(np.uint8))"
+            if arr.dtype.kind == "f"
+            else " (values 0..255? use image.astype(np.uint8); 16-bit ones: image.astype(np.uint16))"
+        )
         raise EdgeInputError(f"image: a {shape}; expected uint8 or uint16 pixels{hint}")
     if arr.ndim == 3 and arr.shape[-1] in (2, 4):
         alpha = arr[..., -1]
@@ -652,8 +705,9 @@ def _resize_and_crop(arr: np.ndarray, height: int, width: int, where: str, done:
     try:
         from PIL import Image
     except ImportError as exc:
-        raise EdgeInputError(f"{where}: a {w}x{h} image for a {width}x{height} model: resizing needs Pillow "
-                             "(pip install pillow)") from exc
+        raise EdgeInputError(
+            f"{where}: a {w}x{h} image for a {width}x{height} model: resizing needs Pillow (pip install pillow)"
+        ) from exc
     scale = max(width / w, height / h)
     box_w, box_h = width / scale, height / scale  # the source region that becomes the model's input
     left, top = (w - box_w) / 2, (h - box_h) / 2
@@ -698,13 +752,16 @@ class EnsembleState:
         if meta.get("format") != STATE_FORMAT:
             raise EdgeInputError(f"{p} is not an ensemble state file ({STATE_FORMAT})")
         if meta.get("class_names") != info.class_names:
-            raise EdgeInputError(f"ensemble state {p} holds probabilities over other classes "
-                                 f"({meta.get('class_names')}); the model labels {info.class_names}")
+            raise EdgeInputError(
+                f"ensemble state {p} holds probabilities over other classes "
+                f"({meta.get('class_names')}); the model labels {info.class_names}"
+            )
         if meta.get("config_hash") != info.config_hash:
             raise EdgeInputError(
                 f"ensemble state {p} was built from run {meta.get('config_hash')}, this model comes from run "
                 f"{info.config_hash}; the self-ensemble averages one run's rounds. Use another state file or "
-                "pass --reset-ensemble")
+                "pass --reset-ensemble"
+            )
         state.ids, state.probs, state.counts, state.versions = ids, probs, counts, versions
         state._index = {sid: i for i, sid in enumerate(ids)}
         return state
@@ -739,8 +796,14 @@ class EnsembleState:
         fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, meta=np.array(meta), ids=np.array(self.ids, dtype=str), counts=self.counts,
-                         probs=self.probs.astype(np.float32), versions=np.array(self.versions, dtype=str))
+                np.savez(
+                    fh,
+                    meta=np.array(meta),
+                    ids=np.array(self.ids, dtype=str),
+                    counts=self.counts,
+                    probs=self.probs.astype(np.float32),
+                    versions=np.array(self.versions, dtype=str),
+                )
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -752,9 +815,17 @@ class EnsembleState:
 # the job
 
 
-def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, thresholds=None,
-                 batch_size: int = 256, ensemble_state: str | Path | None = None, reset_ensemble: bool = False,
-                 threads: int = 0) -> dict:
+def label_images(
+    model: str | Path,
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    thresholds=None,
+    batch_size: int = 256,
+    ensemble_state: str | Path | None = None,
+    reset_ensemble: bool = False,
+    threads: int = 0,
+) -> dict:
     """Pseudo-label the images at ``source`` with ``model``; write CSV, JSONL and NPZ to ``out_dir``.
 
     Image files of any size and mode go through the image rule (:func:`prepare_image`).
@@ -797,51 +868,97 @@ def label_images(model: str | Path, source: str | Path, out_dir: str | Path, *, 
             writer.writerow(row + ([int(counts[i])] if counts is not None else []))
     with _naming(out / "pseudo_labels.jsonl"), open(out / "pseudo_labels.jsonl", "w", encoding="utf-8") as fh:
         for i, sid in enumerate(ids):
-            rec = {"id": sid, "label": int(label[i]), "class_name": names[label[i]],
-                   "confidence": round(float(conf[i]), 6), "mask": bool(mask[i]),
-                   "probs": [round(float(v), 6) for v in probs[i]]}
+            rec = {
+                "id": sid,
+                "label": int(label[i]),
+                "class_name": names[label[i]],
+                "confidence": round(float(conf[i]), 6),
+                "mask": bool(mask[i]),
+                "probs": [round(float(v), 6) for v in probs[i]],
+            }
             if counts is not None:
                 rec["ensemble_size"] = int(counts[i])
                 rec["model_label"] = int(res["label"][i])
                 rec["model_confidence"] = round(float(res["confidence"][i]), 6)
             fh.write(json.dumps(rec) + "\n")
     with _naming(out / "pseudo_labels.npz"):
-        np.savez(out / "pseudo_labels.npz", ids=np.array(ids, dtype=str), label=label, confidence=conf,
-                 mask=mask, probs=probs, thresholds=thr)
+        np.savez(
+            out / "pseudo_labels.npz",
+            ids=np.array(ids, dtype=str),
+            label=label,
+            confidence=conf,
+            mask=mask,
+            probs=probs,
+            thresholds=thr,
+        )
     seconds = float(res["seconds"])
     n = len(ids)
     return {
-        "images": n, "passed_threshold": int(mask.sum()), "mask_rate": float(mask.mean()) if n else 0.0,
-        "seconds": seconds, "images_per_second": n / seconds if seconds > 0 else float("inf"),
-        "batch_size": labeler.info.batch_size or batch_size, "model": str(model), "precision": labeler.info.precision,
-        "model_version": labeler.info.model_version, "ensemble": ensemble_state is not None,
-        "prepared": dict(steps), "image_shape": list(labeler.info.shape),
+        "images": n,
+        "passed_threshold": int(mask.sum()),
+        "mask_rate": float(mask.mean()) if n else 0.0,
+        "seconds": seconds,
+        "images_per_second": n / seconds if seconds > 0 else float("inf"),
+        "batch_size": labeler.info.batch_size or batch_size,
+        "model": str(model),
+        "precision": labeler.info.precision,
+        "model_version": labeler.info.model_version,
+        "ensemble": ensemble_state is not None,
+        "prepared": dict(steps),
+        "image_shape": list(labeler.info.shape),
         "outputs": [str(out / f"pseudo_labels.{ext}") for ext in ("csv", "jsonl", "npz")],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="edge_label", description="Pseudo-label unlabeled images on device "
-                                     "with an exported fedml_ssfl model (numpy + onnxruntime only)")
+    parser = argparse.ArgumentParser(
+        prog="edge_label",
+        description="Pseudo-label unlabeled images on device "
+        "with an exported fedml_ssfl model (numpy + onnxruntime only)",
+    )
     parser.add_argument("model", help="model.onnx / model.ort / model.int8.ort from mobile_export")
-    parser.add_argument("input", help=".npy or .npz batch of uint8 (N, C, H, W) images, or a folder of image files "
-                        "(any size and mode: resized and converted by the image rule, see prepare_image)")
+    parser.add_argument(
+        "input",
+        help=".npy or .npz batch of uint8 (N, C, H, W) images, or a folder of image files "
+        "(any size and mode: resized and converted by the image rule, see prepare_image)",
+    )
     parser.add_argument("--out", required=True, help="output directory for pseudo_labels.{csv,jsonl,npz}")
-    parser.add_argument("--batch-size", type=int, default=256, help="images per run (default 256); a model "
-                        "exported with a fixed batch (the .ort files: 1) runs at its own batch size")
-    parser.add_argument("--threshold", dest="thresholds", type=float, nargs="+", metavar="TAU",
-                        help="one tau for every class, or one per class (default: the model's own)")
-    parser.add_argument("--ensemble-state", help="self-ensemble state file (.npz): label from the running mean of "
-                        "successive model versions' probabilities (FedSEAL Eq. 8)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=256,
+        help="images per run (default 256); a model "
+        "exported with a fixed batch (the .ort files: 1) runs at its own batch size",
+    )
+    parser.add_argument(
+        "--threshold",
+        dest="thresholds",
+        type=float,
+        nargs="+",
+        metavar="TAU",
+        help="one tau for every class, or one per class (default: the model's own)",
+    )
+    parser.add_argument(
+        "--ensemble-state",
+        help="self-ensemble state file (.npz): label from the running mean of "
+        "successive model versions' probabilities (FedSEAL Eq. 8)",
+    )
     parser.add_argument("--reset-ensemble", action="store_true", help="start the ensemble state afresh")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime threads (default: its own choice)")
     # image files are always converted by the image rule now; --convert (which asked for it) is still accepted
     parser.add_argument("--convert", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
-        s = label_images(args.model, args.input, args.out, thresholds=args.thresholds, batch_size=args.batch_size,
-                         ensemble_state=args.ensemble_state, reset_ensemble=args.reset_ensemble,
-                         threads=args.threads)
+        s = label_images(
+            args.model,
+            args.input,
+            args.out,
+            thresholds=args.thresholds,
+            batch_size=args.batch_size,
+            ensemble_state=args.ensemble_state,
+            reset_ensemble=args.reset_ensemble,
+            threads=args.threads,
+        )
     except EdgeInputError as exc:
         print(f"edge_label: error: {exc}", file=sys.stderr)
         return 2
@@ -850,9 +967,11 @@ def main(argv: list[str] | None = None) -> int:
         fix = "free disk space, or pass --out another folder" if full else "check the path and its permissions"
         print(f"edge_label: error: {exc.filename or ''}: {exc.strerror or exc}; {fix}", file=sys.stderr)
         return 1
-    print(f"labeled {s['images']} images in {s['seconds']:.3f} s: {s['images_per_second']:.0f} images/s "
-          f"({s['precision']} model, batch {s['batch_size']}); {s['passed_threshold']} pass the threshold "
-          f"({100 * s['mask_rate']:.1f}%){', self-ensemble' if s['ensemble'] else ''}")
+    print(
+        f"labeled {s['images']} images in {s['seconds']:.3f} s: {s['images_per_second']:.0f} images/s "
+        f"({s['precision']} model, batch {s['batch_size']}); {s['passed_threshold']} pass the threshold "
+        f"({100 * s['mask_rate']:.1f}%){', self-ensemble' if s['ensemble'] else ''}"
+    )
     if s["prepared"]:
         c, h, w = s["image_shape"]
         done = ", ".join(f"{n} {step}" for step, n in sorted(s["prepared"].items()))

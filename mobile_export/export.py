@@ -241,8 +241,14 @@ def _dynamo_error_text(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
-def export_onnx(module: nn.Module, path: str | Path, example: tuple[torch.Tensor, torch.Tensor], *,
-                opset: int = DEFAULT_OPSET, dynamo: bool = True) -> dict[str, Any]:
+def export_onnx(
+    module: nn.Module,
+    path: str | Path,
+    example: tuple[torch.Tensor, torch.Tensor],
+    *,
+    opset: int = DEFAULT_OPSET,
+    dynamo: bool = True,
+) -> dict[str, Any]:
     """``torch.onnx.export`` with a dynamic batch axis: dynamo first, legacy as a fallback.
 
     Returns
@@ -256,14 +262,25 @@ def export_onnx(module: nn.Module, path: str | Path, example: tuple[torch.Tensor
         Neither exporter could handle the model; names the operator when the error does.
     """
     path = Path(path)
-    common = dict(input_names=[*INPUT_NAMES, THRESHOLDS], output_names=list(OUTPUT_NAMES), opset_version=opset,
-                  external_data=False, verbose=False)
+    common = dict(
+        input_names=[*INPUT_NAMES, THRESHOLDS],
+        output_names=list(OUTPUT_NAMES),
+        opset_version=opset,
+        external_data=False,
+        verbose=False,
+    )
     fallback_reason, dynamo_text = None, ""
     if dynamo:
         try:
             batch = torch.export.Dim("batch", min=1)
-            torch.onnx.export(module, example, str(path), dynamo=True,
-                              dynamic_shapes={"images": {0: batch}, "thresholds": None}, **common)
+            torch.onnx.export(
+                module,
+                example,
+                str(path),
+                dynamo=True,
+                dynamic_shapes={"images": {0: batch}, "thresholds": None},
+                **common,
+            )
         except Exception as exc:  # torch.export / onnxscript raise many types
             dynamo_text = _dynamo_error_text(exc)
             op = unsupported_op_name(dynamo_text)
@@ -273,8 +290,9 @@ def export_onnx(module: nn.Module, path: str | Path, example: tuple[torch.Tensor
             if got == opset:
                 return {"exporter": "dynamo", "opset": opset, "fallback_reason": None}
             fallback_reason = f"the dynamo exporter could not write opset {opset} (it wrote {got})"
-        warnings.warn(f"{fallback_reason}; falling back to the legacy TorchScript exporter",
-                      ExporterFallbackWarning, stacklevel=2)
+        warnings.warn(
+            f"{fallback_reason}; falling back to the legacy TorchScript exporter", ExporterFallbackWarning, stacklevel=2
+        )
     axes = {"images": {0: "batch"}, **{name: {0: "batch"} for name in OUTPUT_NAMES}}
     try:
         with warnings.catch_warnings():
@@ -379,9 +397,11 @@ def _check_failure_text(name: str, r: dict[str, Any]) -> str:
     if r.get("error"):
         return f"check '{name}' failed: {r['error']}"
     if "probs_outside_tolerance" in r:
-        return (f"check '{name}' failed on {r['samples']} images: {r['probs_outside_tolerance']} probabilities "
-                f"outside rtol {r['rtol']} / atol {r['atol']} (max abs diff {r['max_abs_prob_diff']:.3g}), "
-                f"{r['label_mismatches']} label and {r['mask_mismatches']} mask mismatches")
+        return (
+            f"check '{name}' failed on {r['samples']} images: {r['probs_outside_tolerance']} probabilities "
+            f"outside rtol {r['rtol']} / atol {r['atol']} (max abs diff {r['max_abs_prob_diff']:.3g}), "
+            f"{r['label_mismatches']} label and {r['mask_mismatches']} mask mismatches"
+        )
     return f"check '{name}' failed: {r}"
 
 
@@ -442,8 +462,9 @@ def _to_ort(report: ExportReport, onnx_path: Path, ort_path: Path) -> Path:
     try:
         return ort_format.convert_to_ort(onnx_path, ort_path)
     except Exception as exc:  # onnxruntime's own errors
-        report.fail(f"ort_format_{ort_path.name}",
-                    f"ORT-format conversion for {ort_path.name} failed: {_first_line(exc)}")
+        report.fail(
+            f"ort_format_{ort_path.name}", f"ORT-format conversion for {ort_path.name} failed: {_first_line(exc)}"
+        )
 
 
 MAX_ONNX_BYTES = 2**31 - 2**20
@@ -459,8 +480,10 @@ def check_onnx_size(model: nn.Module) -> int:
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if nbytes > MAX_ONNX_BYTES:
-        raise ExportError(f"the model's weights take {nbytes / 2**30:.2f} GiB, more than the 2 GiB one ONNX file can "
-                          "hold (protobuf's limit); export a smaller model for the edge")
+        raise ExportError(
+            f"the model's weights take {nbytes / 2**30:.2f} GiB, more than the 2 GiB one ONNX file can "
+            "hold (protobuf's limit); export a smaller model for the edge"
+        )
     return nbytes
 
 
@@ -473,22 +496,25 @@ def check_batch_size(batch_size) -> int | None:
         Not an integer, or negative.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
-        raise ExportError(f"--batch-size: the .ort files' batch must be an integer >= 1 (or 0 for a dynamic "
-                          f"batch), got {batch_size!r}")
+        raise ExportError(
+            f"--batch-size: the .ort files' batch must be an integer >= 1 (or 0 for a dynamic "
+            f"batch), got {batch_size!r}"
+        )
     return int(batch_size) or None
 
 
 class _Artifacts:
     """The ``.ort`` side of one precision: the fixed-batch graph it is converted from, checks and files."""
 
-    def __init__(self, report: ExportReport, onnx_path: Path, tmp: Path, batch: int | None, meta: EdgeMetadata,
-                 precision: str) -> None:
+    def __init__(
+        self, report: ExportReport, onnx_path: Path, tmp: Path, batch: int | None, meta: EdgeMetadata, precision: str
+    ) -> None:
         self.report, self.onnx_path, self.batch, self.meta = report, onnx_path, batch, meta
         stem = onnx_path.name[: -len(".onnx")]  # model | model.int8
         self.prefix = "" if precision == "float32" else "int8_"
         self.ort_path = onnx_path.with_name(f"{stem}.ort")
         self.config_path = onnx_path.with_name(f"{stem}.{ort_format.CONFIG_NAME}")
-        self.usability_txt = onnx_path.with_name(f"mobile_usability{stem[len('model'):]}.txt")
+        self.usability_txt = onnx_path.with_name(f"mobile_usability{stem[len('model') :]}.txt")
         if batch is None:
             self.ort_source = onnx_path
         else:
@@ -502,8 +528,11 @@ class _Artifacts:
         result.update(model=self.ort_path.name, batch_size=self.batch or "dynamic")
         if self.batch is not None:
             dyn = verify.mobile_usability(self.onnx_path, self.usability_txt.with_suffix(".onnx.txt"))
-            result["onnx"] = {"model": self.onnx_path.name, "batch_size": "dynamic",
-                              **{k: dyn[k] for k in ("report", "coverage", "error")}}
+            result["onnx"] = {
+                "model": self.onnx_path.name,
+                "batch_size": "dynamic",
+                **{k: dyn[k] for k in ("report", "coverage", "error")},
+            }
             result["passed"] = result["passed"] and dyn["passed"]
         self.report.record(f"{self.prefix}mobile_usability", result)
 
@@ -587,8 +616,10 @@ def export_model(
     images = _check_images(test_images, meta, "test_images")
     labels = None if test_labels is None else np.asarray(test_labels, dtype=np.int64)
     if quantize and (calibration_images is None or len(calibration_images) == 0):
-        raise ExportError("int8 quantization needs client images to calibrate on; pass calibration_images "
-                          "or export with quantize=False (--no-int8)")
+        raise ExportError(
+            "int8 quantization needs client images to calibrate on; pass calibration_images "
+            "or export with quantize=False (--no-int8)"
+        )
     report = ExportReport(out_dir=str(out), source=dict(source or {}), metadata=meta.props("float32"))
     timer = time.perf_counter()
 
@@ -596,8 +627,10 @@ def export_model(
     model = model.to("cpu").eval()
     edge = EdgeModel(model, meta.mean, meta.std).eval()
     onnx_path = out / "model.onnx"
-    example = (torch.zeros(2, meta.in_channels, meta.image_size, meta.image_size, dtype=torch.uint8),
-               torch.as_tensor(thresholds))
+    example = (
+        torch.zeros(2, meta.in_channels, meta.image_size, meta.image_size, dtype=torch.uint8),
+        torch.as_tensor(thresholds),
+    )
     try:
         report.exporter = export_onnx(edge, onnx_path, example, opset=opset, dynamo=dynamo)
     except ExportError as exc:
@@ -628,16 +661,32 @@ def export_model(
         ort_test = verify.run_session(ort_session, images)
         report.record("parity_ort", verify.compare_float(reference, ort_test))
         report.seconds["verify_float"] = time.perf_counter() - t
-        report.artifacts = {"onnx": verify.artifact_info(onnx_path),
-                            "ort": {**verify.artifact_info(float_ort.ort_path), "batch_size": batch or "dynamic"}}
+        report.artifacts = {
+            "onnx": verify.artifact_info(onnx_path),
+            "ort": {**verify.artifact_info(float_ort.ort_path), "batch_size": batch or "dynamic"},
+        }
         report.artifacts["required_operators"] = float_ort.operators()
         pairs = [(float_ort.ort_source, float_ort.ort_path)]
 
         if quantize:
             t = time.perf_counter()
-            int8_ort = _quantize_and_gate(report, onnx_path, float_session, float_test, meta, thresholds, images,
-                                          labels, unlabeled_images, calibration_images, max_acc_drop, min_agreement,
-                                          Path(tmp), batch, unlabeled_source)
+            int8_ort = _quantize_and_gate(
+                report,
+                onnx_path,
+                float_session,
+                float_test,
+                meta,
+                thresholds,
+                images,
+                labels,
+                unlabeled_images,
+                calibration_images,
+                max_acc_drop,
+                min_agreement,
+                Path(tmp),
+                batch,
+                unlabeled_source,
+            )
             pairs.append((int8_ort.ort_source, int8_ort.ort_path))
             report.seconds["int8"] = time.perf_counter() - t
         else:
@@ -645,8 +694,12 @@ def export_model(
         combined = ort_format.write_required_operators(out / ort_format.CONFIG_NAME, pairs)
         report.artifacts["required_operators_all"] = {**verify.artifact_info(out / ort_format.CONFIG_NAME), **combined}
 
-    for key, check in (("onnx", "contract_onnx"), ("ort", "contract_ort"), ("int8_onnx", "int8_contract_onnx"),
-                       ("int8_ort", "int8_contract_ort")):
+    for key, check in (
+        ("onnx", "contract_onnx"),
+        ("ort", "contract_ort"),
+        ("int8_onnx", "int8_contract_onnx"),
+        ("int8_ort", "int8_contract_ort"),
+    ):
         if key in report.artifacts:  # the shape read from each file's images input (for apps without metadata)
             report.artifacts[key]["input_shape"] = report.checks[check]["input_shape"]
     report.seconds["total"] = time.perf_counter() - timer
@@ -655,10 +708,23 @@ def export_model(
     return report
 
 
-def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, float_test: Predictions,
-                       meta: EdgeMetadata, thresholds: np.ndarray, images: np.ndarray, labels: np.ndarray | None,
-                       unlabeled_images, calibration_images, max_acc_drop: float, min_agreement: float,
-                       tmp: Path, batch: int | None, unlabeled_source: str = "client_unlabeled") -> _Artifacts:
+def _quantize_and_gate(
+    report: ExportReport,
+    onnx_path: Path,
+    float_session,
+    float_test: Predictions,
+    meta: EdgeMetadata,
+    thresholds: np.ndarray,
+    images: np.ndarray,
+    labels: np.ndarray | None,
+    unlabeled_images,
+    calibration_images,
+    max_acc_drop: float,
+    min_agreement: float,
+    tmp: Path,
+    batch: int | None,
+    unlabeled_source: str = "client_unlabeled",
+) -> _Artifacts:
     from .quantize import quantize_int8
 
     out = onnx_path.parent
@@ -672,8 +738,11 @@ def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, flo
     report.record("int8_onnx_checker", verify.onnx_full_check(q_path))
     q_ort = _Artifacts(report, q_path, tmp, batch, meta, "int8")
     q_ort.usability()
-    unl = None if unlabeled_images is None or len(unlabeled_images) == 0 else _check_images(
-        unlabeled_images, meta, "unlabeled_images")
+    unl = (
+        None
+        if unlabeled_images is None or len(unlabeled_images) == 0
+        else _check_images(unlabeled_images, meta, "unlabeled_images")
+    )
     float_unl = verify.run_session(float_session, unl, thresholds) if unl is not None else None
     gate_labels = labels if labels is not None else float_test.label  # without labels: accuracy vs float labels
     q_session = _session(report, q_path, "onnxruntime_load_model.int8.onnx")
@@ -683,8 +752,9 @@ def _quantize_and_gate(report: ExportReport, onnx_path: Path, float_session, flo
     for name, session in (("int8_gates", q_session), ("int8_ort_gates", ort_session)):
         q_test = verify.run_session(session, images, thresholds)
         q_unl = verify.run_session(session, unl, thresholds) if unl is not None else None
-        result = verify.compare_int8(float_test, q_test, gate_labels, float_unl, q_unl, max_acc_drop, min_agreement,
-                                     unlabeled_source)
+        result = verify.compare_int8(
+            float_test, q_test, gate_labels, float_unl, q_unl, max_acc_drop, min_agreement, unlabeled_source
+        )
         result["accuracy_against"] = "test labels" if labels is not None else "float model labels"
         report.record(name, result)
     report.artifacts["int8_onnx"] = verify.artifact_info(q_path)
@@ -698,8 +768,10 @@ def _check_images(images, meta: EdgeMetadata, where: str) -> np.ndarray:
     arr = images.numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
     want = (meta.in_channels, meta.image_size, meta.image_size)
     if arr.dtype != np.uint8 or arr.ndim != 4 or tuple(arr.shape[1:]) != want:
-        raise ExportError(f"{where}: expected uint8 images of shape (N, {want[0]}, {want[1]}, {want[2]}), "
-                          f"got {arr.dtype} {tuple(arr.shape)}")
+        raise ExportError(
+            f"{where}: expected uint8 images of shape (N, {want[0]}, {want[1]}, {want[2]}), "
+            f"got {arr.dtype} {tuple(arr.shape)}"
+        )
     return np.ascontiguousarray(arr)
 
 
@@ -734,16 +806,22 @@ def load_run_source(source: str | Path) -> RunSource:
     if src.is_dir():
         ckpt = src / "checkpoints" / "last.pt"
         if not ckpt.is_file() and not (src / "config.yaml").is_file():
-            raise ExportError(f"{src} is not a run folder (it has no config.yaml and no checkpoints/last.pt); pass "
-                              "a run folder written by `fedml-ssfl run`, or a checkpoint file")
+            raise ExportError(
+                f"{src} is not a run folder (it has no config.yaml and no checkpoints/last.pt); pass "
+                "a run folder written by `fedml-ssfl run`, or a checkpoint file"
+            )
         if not ckpt.is_file():
-            raise ExportError(f"run {src} has no checkpoint (expected {ckpt}): the run has not saved one yet; let "
-                              "it finish a round (or lower tracking_args.checkpoint_every), or pass a checkpoint file")
+            raise ExportError(
+                f"run {src} has no checkpoint (expected {ckpt}): the run has not saved one yet; let "
+                "it finish a round (or lower tracking_args.checkpoint_every), or pass a checkpoint file"
+            )
         configs = [src / "config.yaml"]
     elif src.is_file():
         if src.suffix.lower() in (".onnx", ".ort"):
-            raise ExportError(f"{src} is an exported model, not a checkpoint; pass the run folder it was exported "
-                              "from (or its checkpoints/last.pt)")
+            raise ExportError(
+                f"{src} is an exported model, not a checkpoint; pass the run folder it was exported "
+                "from (or its checkpoints/last.pt)"
+            )
         ckpt = src
         configs = [src.parent / "config.yaml", src.parent.parent / "config.yaml"]
     else:
@@ -754,13 +832,17 @@ def load_run_source(source: str | Path) -> RunSource:
         cause = exc.__cause__
         if cause is None:  # damaged content or another format: the checkpoint's own message says which
             raise ExportError(str(exc)) from exc
-        raise ExportError(f"{ckpt} is not a fedml_ssfl checkpoint ({_first_line(cause)}): it is another kind of "
-                          "file or truncated; pass a run folder (with checkpoints/last.pt) or the checkpoint file "
-                          "`fedml-ssfl run` wrote") from exc
+        raise ExportError(
+            f"{ckpt} is not a fedml_ssfl checkpoint ({_first_line(cause)}): it is another kind of "
+            "file or truncated; pass a run folder (with checkpoints/last.pt) or the checkpoint file "
+            "`fedml-ssfl run` wrote"
+        ) from exc
     config_path = next((c for c in configs if c.is_file()), None)
     if config_path is None:
-        raise ExportError(f"no config.yaml found for checkpoint {ckpt} (looked at {', '.join(map(str, configs))}); "
-                          "export needs the run's resolved config to rebuild the model and load its data")
+        raise ExportError(
+            f"no config.yaml found for checkpoint {ckpt} (looked at {', '.join(map(str, configs))}); "
+            "export needs the run's resolved config to rebuild the model and load its data"
+        )
     try:
         cfg = load_config(config_path)
     except ConfigError as exc:
@@ -793,8 +875,10 @@ def select_weights(payload: dict[str, Any], key: str, where: Path) -> dict[str, 
         if match is None:
             here = ".".join(["algorithm", *walked])
             avail = ", ".join(str(k) for k in options) or "nothing"
-            raise ExportError(f"checkpoint {where} has no '{part}' under '{here}' (there: {avail}); "
-                              f"choose the model with --weights, e.g. {DEFAULT_WEIGHTS}")
+            raise ExportError(
+                f"checkpoint {where} has no '{part}' under '{here}' (there: {avail}); "
+                f"choose the model with --weights, e.g. {DEFAULT_WEIGHTS}"
+            )
         node = options[match]
         walked.append(part)
     if not (isinstance(node, dict) and node and all(isinstance(v, torch.Tensor) for v in node.values())):
@@ -802,8 +886,7 @@ def select_weights(payload: dict[str, Any], key: str, where: Path) -> dict[str, 
     return node
 
 
-def client_image_pools(cfg, dataset, calibration_samples: int,
-                       eval_samples: int) -> tuple[np.ndarray, np.ndarray, str]:
+def client_image_pools(cfg, dataset, calibration_samples: int, eval_samples: int) -> tuple[np.ndarray, np.ndarray, str]:
     """Disjoint calibration and evaluation samples of the training images the exporting party holds (seeded).
 
     In simulation the clients' unlabeled images (``"client_unlabeled"``). In a deployment the export
@@ -897,29 +980,62 @@ def export_run(
     try:
         net.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ExportError(f"checkpoint {run.checkpoint_path} does not fit model {cfg.model_args.model}-"
-                          f"{cfg.model_args.norm} from {run.config_path}: {exc}") from exc
+        raise ExportError(
+            f"checkpoint {run.checkpoint_path} does not fit model {cfg.model_args.model}-"
+            f"{cfg.model_args.norm} from {run.config_path}: {exc}"
+        ) from exc
     values, where = resolve_thresholds(thresholds, dataset.num_classes, payload, cfg)
     fingerprint = payload.get("fingerprint") or cfg.fingerprint()
     if payload.get("fingerprint") and payload["fingerprint"] != cfg.fingerprint():
-        log.warning("checkpoint fingerprint %s differs from %s's (%s); using the checkpoint's",
-                    payload["fingerprint"], run.config_path.name, cfg.fingerprint())
+        log.warning(
+            "checkpoint fingerprint %s differs from %s's (%s); using the checkpoint's",
+            payload["fingerprint"],
+            run.config_path.name,
+            cfg.fingerprint(),
+        )
     meta = EdgeMetadata(
-        class_names=list(dataset.class_names), mean=[float(v) for v in dataset.mean],
-        std=[float(v) for v in dataset.std], in_channels=dataset.in_channels, image_size=dataset.image_size,
-        thresholds=values, threshold_source=where, algorithm=str(payload.get("algorithm_name", cfg.algorithm)),
-        round=int(payload.get("round", -1)), config_hash=str(fingerprint), model=cfg.model_args.model,
-        norm=cfg.model_args.norm, dataset=cfg.data_args.dataset, weights=weights,
+        class_names=list(dataset.class_names),
+        mean=[float(v) for v in dataset.mean],
+        std=[float(v) for v in dataset.std],
+        in_channels=dataset.in_channels,
+        image_size=dataset.image_size,
+        thresholds=values,
+        threshold_source=where,
+        algorithm=str(payload.get("algorithm_name", cfg.algorithm)),
+        round=int(payload.get("round", -1)),
+        config_hash=str(fingerprint),
+        model=cfg.model_args.model,
+        norm=cfg.model_args.norm,
+        dataset=cfg.data_args.dataset,
+        weights=weights,
     )
     n_test = len(dataset.test_images)
     n = n_test if parity_samples == 0 else min(n_test, parity_samples or DEFAULT_PARITY_SAMPLES)
     calib, unlabeled, held = client_image_pools(cfg, dataset, calibration_samples, n)
-    src = {"source": str(source), "checkpoint": str(run.checkpoint_path), "config": str(run.config_path),
-           "weights": weights, "test_images": n, "test_images_available": n_test, "agreement_images": held}
+    src = {
+        "source": str(source),
+        "checkpoint": str(run.checkpoint_path),
+        "config": str(run.config_path),
+        "weights": weights,
+        "test_images": n,
+        "test_images_available": n_test,
+        "agreement_images": held,
+    }
     return export_model(
-        net, out_dir, meta, test_images=dataset.test_images[:n].numpy(), test_labels=dataset.test_labels[:n].numpy(),
-        unlabeled_images=unlabeled, calibration_images=calib, opset=opset, dynamo=dynamo, quantize=quantize,
-        max_acc_drop=max_acc_drop, min_agreement=min_agreement, batch_size=batch_size, source=src,
+        net,
+        out_dir,
+        meta,
+        test_images=dataset.test_images[:n].numpy(),
+        test_labels=dataset.test_labels[:n].numpy(),
+        unlabeled_images=unlabeled,
+        calibration_images=calib,
+        opset=opset,
+        dynamo=dynamo,
+        quantize=quantize,
+        max_acc_drop=max_acc_drop,
+        min_agreement=min_agreement,
+        batch_size=batch_size,
+        source=src,
         unlabeled_source=held,
     )
 
@@ -938,9 +1054,11 @@ def default_out_dir(source: str | Path) -> Path:
 
 def format_report(report: ExportReport) -> str:
     """A few lines for the terminal."""
-    lines = [f"exported {report.metadata.get('model')}-{report.metadata.get('norm')} "
-             f"({report.metadata.get('algorithm')}, round {report.metadata.get('round')}) with the "
-             f"{report.exporter.get('exporter')} exporter, opset {report.exporter.get('opset')}"]
+    lines = [
+        f"exported {report.metadata.get('model')}-{report.metadata.get('norm')} "
+        f"({report.metadata.get('algorithm')}, round {report.metadata.get('round')}) with the "
+        f"{report.exporter.get('exporter')} exporter, opset {report.exporter.get('opset')}"
+    ]
     for art in report.artifacts.values():
         if isinstance(art, dict):
             lines.append(f"  {art['path']:<37} {art['bytes'] / 2**20:8.2f} MiB")
@@ -951,13 +1069,17 @@ def format_report(report: ExportReport) -> str:
             lines.append(f"  {u['onnx']['model']} (dynamic batch): {verify.coverage_line(u['onnx'].get('coverage'))}")
     p = report.checks.get("parity_onnx", {})
     if p:
-        lines.append(f"  parity with torch on {p['samples']} test images: max |dp| {p['max_abs_prob_diff']:.2e}, "
-                     f"{p['label_mismatches']} label / {p['mask_mismatches']} mask mismatches")
+        lines.append(
+            f"  parity with torch on {p['samples']} test images: max |dp| {p['max_abs_prob_diff']:.2e}, "
+            f"{p['label_mismatches']} label / {p['mask_mismatches']} mask mismatches"
+        )
     g = report.checks.get("int8_gates")
     if g:
-        lines.append(f"  int8: test acc {100 * g['float_test_acc']:.2f}% -> {100 * g['int8_test_acc']:.2f}%, "
-                     f"pseudo-label agreement {100 * g['label_agreement']:.2f}% ({g['agreement_measured_on']}), "
-                     f"mask rate moved {g['mask_rate_change_points']:+.2f} points")
+        lines.append(
+            f"  int8: test acc {100 * g['float_test_acc']:.2f}% -> {100 * g['int8_test_acc']:.2f}%, "
+            f"pseudo-label agreement {100 * g['label_agreement']:.2f}% ({g['agreement_measured_on']}), "
+            f"mask rate moved {g['mask_rate_change_points']:+.2f} points"
+        )
     lines.append(f"  report: {report.path}")
     return "\n".join(lines)
 
@@ -973,9 +1095,17 @@ def run_export_from_args(args: argparse.Namespace, prog: str = "export") -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
     try:
         report = export_run(
-            args.source, out, opset=args.opset, thresholds=args.thresholds, quantize=args.quantize,
-            parity_samples=args.parity_samples, dynamo=args.dynamo, calibration_samples=args.calibration_samples,
-            max_acc_drop=args.max_acc_drop / 100.0, min_agreement=args.min_agreement / 100.0, weights=args.weights,
+            args.source,
+            out,
+            opset=args.opset,
+            thresholds=args.thresholds,
+            quantize=args.quantize,
+            parity_samples=args.parity_samples,
+            dynamo=args.dynamo,
+            calibration_samples=args.calibration_samples,
+            max_acc_drop=args.max_acc_drop / 100.0,
+            min_agreement=args.min_agreement / 100.0,
+            weights=args.weights,
             batch_size=args.batch_size,
         )
     except ExportError as exc:
@@ -986,8 +1116,11 @@ def run_export_from_args(args: argparse.Namespace, prog: str = "export") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_export_arguments(argparse.ArgumentParser(
-        prog="python -m mobile_export export", description="Export a trained run to ONNX / ORT / int8, verified"))
+    parser = add_export_arguments(
+        argparse.ArgumentParser(
+            prog="python -m mobile_export export", description="Export a trained run to ONNX / ORT / int8, verified"
+        )
+    )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run_export_from_args(parser.parse_args(argv))
 

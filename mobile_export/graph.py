@@ -84,8 +84,9 @@ def make_constant(model, name: str, values: np.ndarray) -> None:
     model.graph.initializer.append(numpy_helper.from_array(np.asarray(values, dtype=np.float32), name))
 
 
-def finalize(path: str | Path, props: dict[str, str], default_thresholds, doc: str,
-             graph_name: str | None = None) -> dict[str, object]:
+def finalize(
+    path: str | Path, props: dict[str, str], default_thresholds, doc: str, graph_name: str | None = None
+) -> dict[str, object]:
     """Rewrite the ONNX file at ``path`` as a versioned edge model; return what was done.
 
     Sets ``metadata_props`` to ``props``, makes ``default_thresholds`` the graph's constant
@@ -112,8 +113,11 @@ def finalize(path: str | Path, props: dict[str, str], default_thresholds, doc: s
         model.graph.name = graph_name
     dropped = prune_opset_imports(model)
     onnx.save(model, str(path))
-    return {"model_version": EDGE_FORMAT_VERSION, "opset_domains_dropped": dropped,
-            "opset_import": {o.domain or "ai.onnx": int(o.version) for o in model.opset_import}}
+    return {
+        "model_version": EDGE_FORMAT_VERSION,
+        "opset_domains_dropped": dropped,
+        "opset_import": {o.domain or "ai.onnx": int(o.version) for o in model.opset_import},
+    }
 
 
 def fix_batch_size(src: str | Path, dst: str | Path, batch_size: int) -> Path:

@@ -42,8 +42,9 @@ def _convert(onnx_path: Path, out_path: Path, runtime_optimizations: str, target
 
     so = _session_options(out_path, runtime_optimizations, target_platform)
     disabled = [] if target_platform == "amd64" else ["NchwcTransformer"]  # x86-only layout
-    ort.InferenceSession(str(onnx_path), sess_options=so, providers=["CPUExecutionProvider"],
-                         disabled_optimizers=disabled)
+    ort.InferenceSession(
+        str(onnx_path), sess_options=so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
+    )
     if not out_path.is_file():
         raise RuntimeError(f"onnxruntime did not write {out_path}")
     return out_path
@@ -76,8 +77,10 @@ def write_required_operators(config_path: str | Path, pairs: list[tuple[Path, Pa
         create_config_from_models(files, raw, enable_type_reduction=False)
         body = [line for line in raw.read_text(encoding="utf-8").splitlines() if line and not line.startswith("#")]
     names = ", ".join(Path(o).name for _, o in pairs)
-    header = [f"# operators needed by {names} (as saved and with their runtime optimizations applied)",
-              "# reduced build: onnxruntime/build.sh --minimal_build extended --include_ops_by_config <this file>"]
+    header = [
+        f"# operators needed by {names} (as saved and with their runtime optimizations applied)",
+        "# reduced build: onnxruntime/build.sh --minimal_build extended --include_ops_by_config <this file>",
+    ]
     path.write_text("\n".join(header + body) + "\n", encoding="utf-8")
     required, _ = parse_config(str(path))
     ops = {domain: sorted({op for by_opset in required[domain].values() for op in by_opset}) for domain in required}

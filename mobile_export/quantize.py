@@ -68,8 +68,9 @@ class _Batches:
         self._it = self._batches()
 
 
-def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_images: np.ndarray,
-                  batch_size: int = 64) -> dict:
+def quantize_int8(
+    float_path: str | Path, out_path: str | Path, calibration_images: np.ndarray, batch_size: int = 64
+) -> dict:
     """Quantize the float edge model at ``float_path`` into ``out_path`` (static QDQ, per-channel).
 
     Parameters
@@ -114,10 +115,16 @@ def quantize_int8(float_path: str | Path, out_path: str | Path, calibration_imag
         onnx.save(model, str(pre))
         keep_float = float_tail_nodes(model)
         quantize_static(
-            str(pre), str(out_path), Reader(np.asarray(calibration_images, dtype=np.uint8), batch_size),
-            quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OP_TYPES),
-            nodes_to_exclude=keep_float, calibrate_method=CalibrationMethod.MinMax,
+            str(pre),
+            str(out_path),
+            Reader(np.asarray(calibration_images, dtype=np.uint8), batch_size),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=list(QUANTIZED_OP_TYPES),
+            nodes_to_exclude=keep_float,
+            calibrate_method=CalibrationMethod.MinMax,
             extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
         )
     qmodel = onnx.load(str(out_path))

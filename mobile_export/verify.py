@@ -74,8 +74,9 @@ def run_session(session, images: np.ndarray, thresholds=None, batch_size: int = 
     probs, label, conf, mask = run_batches(session, images, thresholds, batch_size)
     if probs is None:
         k = session.get_outputs()[0].shape[1]
-        return Predictions(np.zeros((0, k), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
-                           np.zeros(0, bool))
+        return Predictions(
+            np.zeros((0, k), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, bool)
+        )
     return Predictions(probs.astype(np.float32), label.astype(np.int64), conf.astype(np.float32), mask != 0)
 
 
@@ -112,9 +113,11 @@ def _usability_checks():
     def coreml(ops_file: str):
         return lambda model, fixed: uc.check_coreml_partitions(model, fixed, ops_file)
 
-    checks = {"NNAPI": uc.check_nnapi_partitions,
-              "CoreML NeuralNetwork": coreml("coreml_supported_neuralnetwork_ops.md"),
-              "CoreML MLProgram": coreml("coreml_supported_mlprogram_ops.md")}
+    checks = {
+        "NNAPI": uc.check_nnapi_partitions,
+        "CoreML NeuralNetwork": coreml("coreml_supported_neuralnetwork_ops.md"),
+        "CoreML MLProgram": coreml("coreml_supported_mlprogram_ops.md"),
+    }
     return [(name, USABILITY_EPS[name], checks[name]) for name in USABILITY_EPS]
 
 
@@ -203,12 +206,20 @@ def mobile_usability(path: str | Path, report_path: str | Path, label: str | Non
     if label:
         text = text.replace(str(path), label)
     Path(report_path).write_text(text, encoding="utf-8")
-    try_eps = any(c["verdict"] != "NO" or c.get("if_shapes_fixed", {}).get("verdict", "NO") != "NO"
-                  for c in (coverage or {}).values())  # the tool's rule: some EP is not a NO, as is or fixed
-    verdict = ("NNAPI or CoreML may help; compare them against the CPU EP" if try_eps
-               else "use the CPU execution provider")
-    return {"passed": error is None, "error": error, "report": Path(report_path).name, "recommendation": verdict,
-            "coverage": coverage}
+    try_eps = any(
+        c["verdict"] != "NO" or c.get("if_shapes_fixed", {}).get("verdict", "NO") != "NO"
+        for c in (coverage or {}).values()
+    )  # the tool's rule: some EP is not a NO, as is or fixed
+    verdict = (
+        "NNAPI or CoreML may help; compare them against the CPU EP" if try_eps else "use the CPU execution provider"
+    )
+    return {
+        "passed": error is None,
+        "error": error,
+        "report": Path(report_path).name,
+        "recommendation": verdict,
+        "coverage": coverage,
+    }
 
 
 def coverage_line(coverage: dict[str, dict[str, Any]] | None) -> str:
@@ -216,8 +227,10 @@ def coverage_line(coverage: dict[str, dict[str, Any]] | None) -> str:
     if not coverage:
         return "no coverage figures"
     names = {v: k for k, v in USABILITY_EPS.items()}
-    return ", ".join(f"{names[k]} {c['supported_nodes']}/{c['nodes']} nodes in {c['partitions']} partitions"
-                     for k, c in coverage.items())
+    return ", ".join(
+        f"{names[k]} {c['supported_nodes']}/{c['nodes']} nodes in {c['partitions']} partitions"
+        for k, c in coverage.items()
+    )
 
 
 _ORT_TYPES = {"uint8": "tensor(uint8)", "float32": "tensor(float)", "int64": "tensor(int64)"}
@@ -245,8 +258,10 @@ def check_contract(session, images: np.ndarray, default_thresholds, batch_size: 
         failures.append(f"inputs are {list(inputs)}, expected {list(INPUT_NAMES)}")
     overridable = [i.name for i in session.get_overridable_initializers()]
     if overridable:
-        failures.append(f"{overridable} can be fed as inputs (initializers listed among the graph's inputs); "
-                        "expected constants only")
+        failures.append(
+            f"{overridable} can be fed as inputs (initializers listed among the graph's inputs); "
+            "expected constants only"
+        )
     images_in = inputs.get(INPUT_NAMES[0])
     if images_in is not None and images_in.type != _ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]:
         failures.append(f"images is {images_in.type}, expected {_ORT_TYPES[INPUT_DTYPES[INPUT_NAMES[0]]]}")
@@ -260,8 +275,10 @@ def check_contract(session, images: np.ndarray, default_thresholds, batch_size: 
     meta = session.get_modelmeta()
     props = meta.custom_metadata_map
     if meta.version != EDGE_FORMAT_VERSION or props.get("format") != FORMAT_TAG:
-        failures.append(f"model_version {meta.version} / format {props.get('format')!r}, "
-                        f"expected {EDGE_FORMAT_VERSION} / {FORMAT_TAG!r}")
+        failures.append(
+            f"model_version {meta.version} / format {props.get('format')!r}, "
+            f"expected {EDGE_FORMAT_VERSION} / {FORMAT_TAG!r}"
+        )
     shape = input_shape(session) if images_in is not None else None
     if shape is not None and props.get("input_shape") != json.dumps(shape):
         failures.append(f"metadata input_shape is {props.get('input_shape')}, the images input's shape {shape}")
@@ -277,13 +294,22 @@ def check_contract(session, images: np.ndarray, default_thresholds, batch_size: 
         mask_ok = bool(mask.dtype == np.uint8 and np.array_equal(mask, (conf >= thr[label]).astype(np.uint8)))
         if not mask_ok:
             failures.append("mask is not confidence >= the default thresholds[label]")
-    return {"passed": not failures, "failures": failures, "inputs": list(inputs), "overridable": overridable,
-            "input_shape": shape, "outputs": outputs, "batch_size": got_batch or "dynamic",
-            "model_version": meta.version, "default_thresholds_mask": mask_ok}
+    return {
+        "passed": not failures,
+        "failures": failures,
+        "inputs": list(inputs),
+        "overridable": overridable,
+        "input_shape": shape,
+        "outputs": outputs,
+        "batch_size": got_batch or "dynamic",
+        "model_version": meta.version,
+        "default_thresholds_mask": mask_ok,
+    }
 
 
-def compare_float(reference: Predictions, got: Predictions, rtol: float = PROB_RTOL,
-                  atol: float = PROB_ATOL) -> dict[str, Any]:
+def compare_float(
+    reference: Predictions, got: Predictions, rtol: float = PROB_RTOL, atol: float = PROB_ATOL
+) -> dict[str, Any]:
     """Parity of a float model with its reference: probabilities close, labels and masks identical."""
     n = len(reference.label)
     if len(got.label) != n:
@@ -304,10 +330,16 @@ def compare_float(reference: Predictions, got: Predictions, rtol: float = PROB_R
     return out
 
 
-def compare_int8(float_test: Predictions, int8_test: Predictions, test_labels: np.ndarray,
-                 float_unlabeled: Predictions | None, int8_unlabeled: Predictions | None,
-                 max_acc_drop: float, min_agreement: float,
-                 unlabeled_source: str = "client_unlabeled") -> dict[str, Any]:
+def compare_int8(
+    float_test: Predictions,
+    int8_test: Predictions,
+    test_labels: np.ndarray,
+    float_unlabeled: Predictions | None,
+    int8_unlabeled: Predictions | None,
+    max_acc_drop: float,
+    min_agreement: float,
+    unlabeled_source: str = "client_unlabeled",
+) -> dict[str, Any]:
     """The int8 gates: test accuracy drop, pseudo-label agreement, mask-rate movement.
 
     Agreement is measured on client (unlabeled) data where given, as that is where
@@ -333,25 +365,31 @@ def compare_int8(float_test: Predictions, int8_test: Predictions, test_labels: n
     if float_unlabeled is not None and int8_unlabeled is not None and len(float_unlabeled.label):
         agreement = float((float_unlabeled.label == int8_unlabeled.label).mean())
         where = unlabeled_source
-        out.update({
-            "unlabeled_samples": len(float_unlabeled.label),
-            "unlabeled_label_agreement": agreement,
-            "float_mask_rate": float_unlabeled.mask_rate,
-            "int8_mask_rate": int8_unlabeled.mask_rate,
-            "mask_rate_change_points": 100.0 * (int8_unlabeled.mask_rate - float_unlabeled.mask_rate),
-            "mask_agreement": float((float_unlabeled.mask == int8_unlabeled.mask).mean()),
-        })
+        out.update(
+            {
+                "unlabeled_samples": len(float_unlabeled.label),
+                "unlabeled_label_agreement": agreement,
+                "float_mask_rate": float_unlabeled.mask_rate,
+                "int8_mask_rate": int8_unlabeled.mask_rate,
+                "mask_rate_change_points": 100.0 * (int8_unlabeled.mask_rate - float_unlabeled.mask_rate),
+                "mask_agreement": float((float_unlabeled.mask == int8_unlabeled.mask).mean()),
+            }
+        )
     else:
         out["mask_rate_change_points"] = 100.0 * (int8_test.mask_rate - float_test.mask_rate)
     out["agreement_measured_on"] = where
     out["label_agreement"] = agreement
     failures = []
     if acc_f - acc_q > max_acc_drop + 1e-12:
-        failures.append(f"test accuracy dropped {100 * (acc_f - acc_q):.2f} points "
-                        f"({100 * acc_f:.2f}% -> {100 * acc_q:.2f}%), more than {100 * max_acc_drop:.2f}")
+        failures.append(
+            f"test accuracy dropped {100 * (acc_f - acc_q):.2f} points "
+            f"({100 * acc_f:.2f}% -> {100 * acc_q:.2f}%), more than {100 * max_acc_drop:.2f}"
+        )
     if agreement < min_agreement:
-        failures.append(f"pseudo-label agreement with the float model is {100 * agreement:.2f}% on {where} data, "
-                        f"below {100 * min_agreement:.2f}%")
+        failures.append(
+            f"pseudo-label agreement with the float model is {100 * agreement:.2f}% on {where} data, "
+            f"below {100 * min_agreement:.2f}%"
+        )
     out["passed"] = not failures
     out["failures"] = failures
     return out
