@@ -622,3 +622,30 @@ def test_the_transport_binds_without_port_sharing(tmp_path):
             comm()
     finally:
         first.stop_receive_message()
+
+
+def test_a_server_resumed_on_a_finished_run_tells_a_live_worker_the_end_and_lets_the_exited_one_go(tmp_path):
+    """The server is restarted with --resume after its run ended (killed after its last commit, say):
+    a worker still running comes back and is told the end; one that had exited is let go after the
+    outage budget; the server exits 0, naming the rank it let go, with the run's results unchanged."""
+    cfg = grpc_config(tmp_path, 3, "train_args.client_num_in_total=2", "train_args.comm_round=1")
+    environ = env(FEDML_SSFL_OUTAGE_BUDGET="4", FEDML_SSFL_HEARTBEAT_INTERVAL="1")
+    for rank, (code, stdout, stderr) in enumerate(finish(start([str(CLI)], tmp_path / "c.yaml", 3, environ), TIMEOUT)):
+        assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
+    last = (cfg.run_dir() / "checkpoints" / "last.pt").read_bytes()
+    server, live = (
+        subprocess.Popen(
+            [str(CLI), "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role, "--resume"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+        )
+        for rank, role in ((0, "server"), (1, "client"))
+    )
+    (code, stdout, stderr), (live_code, _, live_err) = finish([server, live], 90)
+    assert code == 0, f"{stdout[-2000:]}\n{stderr[-4000:]}"
+    assert live_code == 0, live_err[-4000:]
+    assert "nothing to run" in stderr
+    assert re.search(r"ranks \[2\] did not acknowledge its end", stderr), stderr[-4000:]
+    assert (cfg.run_dir() / "checkpoints" / "last.pt").read_bytes() == last

@@ -212,10 +212,10 @@ class SSFLServerManager(FedMLServerManager):
         if self.is_initialized and before is not None and before != session:
             self.com_manager.clear_outbox(sender)  # what was queued for its old process
         self.send_message(welcome)
-        if not self.is_initialized:
+        if not self.is_initialized and not self.runtime.done:
             super().process_online_status(client_status, msg_params)
-        elif before != session:
-            self.rejoin(sender)
+        elif before != session or not self.is_initialized:
+            self.rejoin(sender)  # after the end (a server resumed on a finished run): told the end at once
 
     def admission(self, rank: int, msg_params, challenge: str, session: str) -> str:
         """Why rank ``rank``'s ONLINE handshake is refused ("" if it is admitted)."""
@@ -429,6 +429,22 @@ class SSFLServerManager(FedMLServerManager):
                 continue
             if reported:
                 continue
+            if rt.done and self.grpc:  # the end was sent (or, resumed on a finished run, is sent to
+                # each worker that comes back): a worker not heard from within the outage budget is let go
+                gone = [
+                    r
+                    for r in self.client_real_ids
+                    if r not in self.finished | self.dead
+                    and now - self.com_manager.heard.get(r, self.t_start) > limits.outage
+                ]
+                if gone:
+                    reported = True
+                    self._inject(action="gone", dead=gone)
+                elif not self.is_initialized and now - last_check >= limits.heartbeat:
+                    last_check = now  # a worker still running answers a challenge, and is told the end
+                    waiting = [r for r in self.client_real_ids if r not in self.finished | self.dead]
+                    self._inject(action="check", ranks=waiting)
+                continue
             if not self.is_initialized:
                 missing = self._missing()
                 if now - self.t_start > limits.connect:
@@ -444,17 +460,6 @@ class SSFLServerManager(FedMLServerManager):
                 elif self.grpc and missing and now - last_check >= limits.heartbeat:
                     last_check = now
                     self._inject(action="check", ranks=missing)
-                continue
-            if rt.done and self.grpc:  # the end was sent: a worker that never acknowledges it is let go
-                gone = [
-                    r
-                    for r in self.client_real_ids
-                    if r not in self.finished | self.dead
-                    and now - self.com_manager.heard.get(r, self.t_start) > limits.outage
-                ]
-                if gone:
-                    reported = True
-                    self._inject(action="gone", dead=gone)
                 continue
             waiting = rt.outstanding()
             if waiting and now - rt.round_started > limits.round:
