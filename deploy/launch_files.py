@@ -115,6 +115,8 @@ def job_files(job_yaml: str | Path) -> tuple[Path, list[Path]]:
         where = f"{listing.name} line {n}: {line}"
         if Path(line).is_absolute() or ".." in Path(line).parts:
             raise _fail(f"{where}: a path inside the root: line's folder, without .. (it is packed at that path)")
+        if Path(line).parts[0] == PACKAGE_DIR:
+            raise _fail(f"{where}: {PACKAGE_DIR}/ is the package's place in the workspace: move or rename yours")
         found = sorted(p for p in root.glob(line) if p.is_file())
         if not found:
             raise _fail(f"{where}: no such file under {root}: fix the path or the root: line")
@@ -130,9 +132,6 @@ def staged(job_yaml: str | Path) -> list[tuple[Path, Path]]:
     pairs = [(root / f, f) for f in files]
     pkg = package_root()
     pairs += [(pkg / f, PACKAGE_DIR / f) for f in package_files(pkg)]
-    mine = sorted(str(f) for f in files if f.parts[0] == PACKAGE_DIR)
-    if mine:
-        raise _fail(f"{ALLOW_LIST}: {mine[0]}: {PACKAGE_DIR}/ is the package's place in the workspace: rename yours")
     return sorted(pairs, key=lambda p: p[1])
 
 
