@@ -16,7 +16,7 @@ set -euo pipefail
 [[ "${1:-}" == -h || "${1:-}" == --help ]] && { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0; }
 HERE=$(cd "$(dirname "$0")" && pwd)
 JOB=$HERE/job.yaml
-if [[ "${1:-}" == *.yaml || "${1:-}" == *.yml ]]; then JOB=$1; shift; fi
+if [[ "${1:-}" == *.yaml || "${1:-}" == *.yml ]]; then JOB=$(cd "$(dirname "$1")" && pwd)/$(basename "$1"); shift; fi
 DEST=${1:-$HOME/.fedml_ssfl/launch-packages}
 FEDML=$(command -v fedml || true)
 [[ -n "$FEDML" ]] || { echo "fedml-ssfl: error: build_launch.sh: fedml not on PATH (activate the venv: . .venv/bin/activate)" >&2; exit 2; }
