@@ -33,10 +33,15 @@ TEXT = {".md", ".py", ".yaml", ".yml", ".sh", ".toml", ".ini", ".txt", ".csv", "
 
 CREATED: dict[str, str] = {
     r"deploy/certs(/.*)?": "deploy/make_test_certs.sh writes the test certificates there",
-    r"deploy/(launch_config|fedml-federate-packages)": "deploy/build_launch.sh (FedML's build) writes them",
+    r"deploy/(launch_script/)?launch_workspace(/.*)?|deploy/(launch_config|fedml-federate-packages)": (
+        "deploy/build_launch.sh stages a launch job's workspace there; FedML's build writes the others"
+    ),
     r"benchmarks/results/(\w+_cuda|gpu_augment_check)\.json": "written by a benchmark run on a CUDA device",
     r"benchmarks/results/ssfl_results\.json": "written by benchmarks/ssfl_results.py's sweep",
-    r"configs/fedml/notes\.txt|deploy/secret\.txt": "tests/test_deploy.py writes them into a scratch copy",
+    r"configs/fedml/secret\.yaml|deploy/(job_token\.txt|no_such_script\.py|launch_script/\.env|fedml_example/data/.*)"
+    r"|data/silo_0\.npz|fedml_ssfl/(\.env|runtime/id_rsa|data/silo_1\.npz)": (
+        "tests/test_deploy.py writes them into a scratch clone (secrets a launch package must not carry)"
+    ),
 }
 """Paths a command or a test creates (full-match regex) -> which."""
 
