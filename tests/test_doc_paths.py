@@ -33,7 +33,7 @@ TEXT = {".md", ".py", ".yaml", ".yml", ".sh", ".toml", ".ini", ".txt", ".csv", "
 
 CREATED: dict[str, str] = {
     r"deploy/certs(/.*)?": "deploy/make_test_certs.sh writes the test certificates there",
-    r"deploy/(launch_script/)?launch_workspace(/.*)?|deploy/(launch_config|fedml-federate-packages)": (
+    r"deploy/(deploy/|launch_script/)?launch_workspace(/.*)?|deploy/(launch_config|fedml-federate-packages)": (
         "deploy/build_launch.sh stages a launch job's workspace there; FedML's build writes the others"
     ),
     r"benchmarks/results/(\w+_cuda|gpu_augment_check)\.json": "written by a benchmark run on a CUDA device",
