@@ -641,6 +641,14 @@ MAX_NESTING = 16
 MAX_DIGITS = 40
 """The most digits a YAML integer may have (no key takes a number beyond 2**63, 19 digits)."""
 
+MAX_VALUES = 100_000
+"""The most values (mappings, lists, scalars) a config may hold once its aliases (``*name``) are expanded: a
+config holds a few hundred. Nested aliases ("billion laughs": 700 bytes that expand to 9**9 values) are
+refused before anything walks the expansion."""
+
+_NON_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""The characters YAML refuses (PyYAML's ``Reader.NON_PRINTABLE``): control characters, NUL, lone surrogates."""
+
 
 class _ConfigLoader(yaml.SafeLoader):
     """``yaml.safe_load`` for configs, with four differences, each refused in one line naming the line.
@@ -672,8 +680,48 @@ class _ConfigLoader(yaml.SafeLoader):
             self.depth -= 1
 
     def construct_document(self, node: Any) -> Any:
+        self._check_expansion(node)
         self._check_duplicates(node, "")
         return super().construct_document(node)
+
+    def _check_expansion(self, root: Any) -> None:
+        """Refuse a document whose aliases expand past :data:`MAX_VALUES` values or :data:`MAX_NESTING` levels.
+
+        Each node is measured once (an alias is the node it names, so a measured node's size is reused):
+        linear in the file, however far its aliases would expand. A node that contains itself is refused too.
+        """
+        done: dict[int, tuple[int, int]] = {}  # id(node) -> (values once expanded, depth)
+        open_: set[int] = set()  # nodes on the current path
+        stack = [root]
+        while stack:
+            node = stack[-1]
+            key = id(node)
+            if key in done:
+                stack.pop()
+                continue
+            kids = _children(node)
+            if key not in open_:
+                open_.add(key)
+                for kid in kids:
+                    if id(kid) in open_:
+                        raise ConfigError(
+                            f"{self._where(kid.start_mark)}: an alias refers to a value that contains it (it would "
+                            "expand for ever); replace the alias with the values it stands for"
+                        )
+                    if id(kid) not in done:
+                        stack.append(kid)
+                continue
+            size = 1 + sum(done[id(k)][0] for k in kids)
+            depth = 1 + max((done[id(k)][1] for k in kids), default=0)
+            if size > MAX_VALUES or depth > MAX_NESTING:
+                raise ConfigError(
+                    f"{self._where(node.start_mark)}: its aliases (*name) expand to more than "
+                    + (f"{MAX_VALUES:,} values" if size > MAX_VALUES else f"{MAX_NESTING} levels of nesting")
+                    + "; a config holds a few hundred values: write them out, without nested aliases"
+                )
+            done[key] = (size, depth)
+            open_.discard(key)
+            stack.pop()
 
     def _check_duplicates(self, node: Any, path: str) -> None:
         if isinstance(node, yaml.SequenceNode):
@@ -705,6 +753,29 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_yaml_int(node)
 
 
+def _children(node: Any) -> list[Any]:
+    """The nodes directly inside a YAML node (a mapping's keys and values; none for a scalar)."""
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_characters(text: str, source: str) -> None:
+    """Refuse a character YAML does not allow (a control character, NUL), naming its line and column."""
+    match = _NON_PRINTABLE.search(text)
+    if match is None:
+        return
+    line = text.count("\n", 0, match.start()) + 1
+    column = match.start() - (text.rfind("\n", 0, match.start()) + 1) + 1
+    name = "a NUL byte" if match.group() == "\0" else f"the control character U+{ord(match.group()):04X}"
+    raise ConfigError(
+        f"{source}, line {line}, column {column}: {name}, which YAML does not allow; a config is text: remove it "
+        "(or write it as an escape such as \\t inside double quotes)"
+    )
+
+
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -719,9 +790,14 @@ def load_yaml(text: str, source: str) -> Any:
     Raises
     ------
     ConfigError
-        Malformed YAML, a duplicate key, nesting too deep or an integer too long, naming ``source`` and the line.
+        Malformed YAML, a character YAML refuses, a duplicate key, nesting too deep (aliases expanded), aliases
+        expanding past :data:`MAX_VALUES` values or an integer too long, naming ``source`` and the line.
     """
-    loader = _ConfigLoader(text, source)
+    _check_characters(text, source)
+    try:
+        loader = _ConfigLoader(text, source)
+    except yaml.YAMLError as exc:  # the reader's own check, should another character pass ours
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     try:
         return loader.get_single_data()
     except yaml.YAMLError as exc:
