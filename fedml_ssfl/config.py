@@ -247,42 +247,75 @@ MAX_RUN_NAME_BYTES = 200
 MAX_IMAGE_SIDE = 4096
 """The largest height or width of ``data_args.synthetic_shape``."""
 
-# (key, lower bound, upper bound or None, inclusive lower)
+MAX_SAMPLES = 10**9
+"""The most samples a count of samples may name (``num_server_labels``, ``synthetic_num_samples``, ...)."""
+
+MAX_ROUNDS = 10**6
+"""The most rounds (``comm_round``) and the largest round count any other key names (warm-up, stages, test and
+checkpoint intervals)."""
+
+MAX_STEPS = 10**7
+"""The most local steps (``local_steps``) or epochs a round may take."""
+
+MAX_BATCH_SIZE = 10**5
+"""The largest batch (``batch_size``, ``eval_batch_size``, an algorithm's ``*_batch_size``): a batch is
+allocated whole on the device."""
+
+MAX_THREADS = 1024
+"""The most torch CPU threads (``device_args.num_threads``; 100,000 crashed the process creating them)."""
+
+MAX_GPU_ID = 1023
+"""The largest ``device_args.gpu_id``."""
+
+MAX_STATE_MB = 2**30
+"""The largest ``device_args.state_memory_mb`` (1 PiB)."""
+
+MAX_FACTOR = 10**6
+"""The largest learning rate, weight decay, Dirichlet concentration or other real-valued factor: beyond it a
+value is a typo, not a setting (training diverges long before)."""
+
+MAX_HYPERPARAMETER = 10**7
+"""Any number in ``ssfl_args`` lies within +-MAX_HYPERPARAMETER (a backstop behind each algorithm's own checks;
+``*_batch_size`` keys within :data:`MAX_BATCH_SIZE`)."""
+
+# (key, lower bound, upper bound, inclusive lower); every numeric key of the sections has a row (a test checks)
 RANGES: list[tuple[str, float, float | None, bool]] = [
     ("common_args.random_seed", 0, 2**63 - 1, True),
-    ("data_args.num_server_labels", 0, None, True),
-    ("data_args.num_server_val", 0, None, True),
+    ("data_args.num_server_labels", 0, MAX_SAMPLES, True),
+    ("data_args.num_server_val", 0, MAX_SAMPLES, True),
     ("data_args.non_iid_r", 0.0, 1.0, True),
-    ("data_args.partition_alpha", 0.0, None, False),
-    ("data_args.classes_per_client", 1, None, True),
-    ("data_args.labels_per_class_client", 0, None, True),
+    ("data_args.partition_alpha", 0.0, MAX_FACTOR, False),
+    ("data_args.classes_per_client", 1, MAX_CLASSES, True),
+    ("data_args.labels_per_class_client", 0, MAX_SAMPLES, True),
     ("data_args.client_label_ratio", 0.0, 1.0, True),
     ("data_args.imbalance_strength", 0.0, 1.0, True),
-    ("data_args.num_stages", 1, None, True),
-    ("data_args.rounds_per_stage", 1, None, True),
+    ("data_args.num_stages", 1, MAX_ROUNDS, True),
+    ("data_args.rounds_per_stage", 1, MAX_ROUNDS, True),
     ("data_args.rich_client_fraction", 0.0, 1.0, True),
     ("data_args.rich_label_ratio", 0.0, 1.0, True),
     ("data_args.poor_label_ratio", 0.0, 1.0, True),
-    ("data_args.synthetic_num_samples", 1, None, True),
+    ("data_args.synthetic_num_samples", 1, MAX_SAMPLES, True),
     ("data_args.synthetic_num_classes", 2, MAX_CLASSES, True),
     ("data_args.num_classes", 0, MAX_CLASSES, True),
     ("train_args.client_num_in_total", 1, MAX_CLIENTS, True),
-    ("train_args.client_num_per_round", 1, None, True),
-    ("train_args.comm_round", 1, None, True),
-    ("train_args.local_steps", 1, None, True),
-    ("train_args.batch_size", 1, None, True),
-    ("train_args.learning_rate", 0.0, None, False),
+    ("train_args.client_num_per_round", 1, MAX_CLIENTS, True),
+    ("train_args.comm_round", 1, MAX_ROUNDS, True),
+    ("train_args.local_steps", 1, MAX_STEPS, True),
+    ("train_args.epochs", 0, MAX_STEPS, True),
+    ("train_args.batch_size", 1, MAX_BATCH_SIZE, True),
+    ("train_args.learning_rate", 0.0, MAX_FACTOR, False),
     ("train_args.momentum", 0.0, 1.0, True),
-    ("train_args.weight_decay", 0.0, None, True),
-    ("train_args.lr_cosine_c", 0.0, None, False),
-    ("train_args.lr_warmup_rounds", 0, None, True),
+    ("train_args.weight_decay", 0.0, MAX_FACTOR, True),
+    ("train_args.lr_cosine_c", 0.0, MAX_FACTOR, False),
+    ("train_args.lr_warmup_rounds", 0, MAX_ROUNDS, True),
     ("train_args.lr_floor", 0.0, 1.0, True),
-    ("train_args.stack_size", 0, None, True),
-    ("validation_args.frequency_of_the_test", 1, None, True),
-    ("validation_args.eval_batch_size", 1, None, True),
-    ("tracking_args.checkpoint_every", 1, None, True),
-    ("device_args.num_threads", 0, None, True),
-    ("device_args.state_memory_mb", 0.0, None, True),
+    ("train_args.stack_size", 0, MAX_CLIENTS, True),
+    ("validation_args.frequency_of_the_test", 1, MAX_ROUNDS, True),
+    ("validation_args.eval_batch_size", 1, MAX_BATCH_SIZE, True),
+    ("tracking_args.checkpoint_every", 1, MAX_ROUNDS, True),
+    ("device_args.num_threads", 0, MAX_THREADS, True),
+    ("device_args.gpu_id", 0, MAX_GPU_ID, True),
+    ("device_args.state_memory_mb", 0.0, MAX_STATE_MB, True),
 ]
 
 
@@ -586,6 +619,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
+    _check_hyperparameter_bounds(algo_cfg)
     cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
     if cfg.comm_args.mode == "deployment" and "dataset" not in (raw.get("data_args") or {}):
         kind = "script" if cfg.data_args.local_data == SCRIPT_DATA else "files"
@@ -610,6 +644,22 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         )
     algo_cfg.check(cfg)
     return cfg
+
+
+def _check_hyperparameter_bounds(algo_cfg: Any) -> None:
+    """Every number in ``ssfl_args`` within :data:`MAX_HYPERPARAMETER` (``*_batch_size``: :data:`MAX_BATCH_SIZE`)."""
+    for f in dataclasses.fields(algo_cfg):
+        value = getattr(algo_cfg, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        limit = MAX_BATCH_SIZE if f.name.endswith("batch_size") else MAX_HYPERPARAMETER
+        if abs(value) > limit:
+            raise ConfigError(
+                f"ssfl_args.{f.name}: {_short(value)} is out of range; it must lie within +-{limit:,} (its default is "
+                f"{f.default!r})"
+                if f.default is not dataclasses.MISSING
+                else f"ssfl_args.{f.name}: {_short(value)} is out of range; it must lie within +-{limit:,}"
+            )
 
 
 def _check_stacking(cfg: ExperimentConfig, algo_cls: Any, registry: Any) -> None:
