@@ -533,6 +533,8 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
             f"take {MAX_RUN_NAME_BYTES} here: shorten it"
         )
     _check_partition(cfg.data_args)
+    _check_normalisation(cfg.data_args)
+    _warn_deployment_keys_ignored(cfg)
     if cfg.comm_args.mode == "deployment":
         _check_deployment(cfg)
 
@@ -569,6 +571,47 @@ def _check_deployment(cfg: ExperimentConfig) -> None:
         )
     if (d.norm_mean or d.norm_std) and len(d.norm_mean) != len(d.norm_std):
         raise ConfigError("data_args.norm_mean and norm_std need one value per channel each (or both empty)")
+
+
+def _check_normalisation(d: DataArgs) -> None:
+    """``num_classes`` is 0 or >= 2; ``norm_mean`` / ``norm_std`` one value per channel (1 or 3), every std > 0."""
+    if d.num_classes == 1:
+        raise ConfigError(
+            "data_args.num_classes: 1 class leaves nothing to classify; give the class count (>= 2), or 0 to take it "
+            "from the server's labels"
+        )
+    for key, values in (("norm_mean", d.norm_mean), ("norm_std", d.norm_std)):
+        if values and len(values) not in (1, 3):
+            raise ConfigError(
+                f"data_args.{key}: {_short(values)} has {len(values)} values; give one per channel of the images "
+                "(1 for grey, 3 for RGB), or leave it out to measure it on the server's data"
+            )
+    bad = [v for v in d.norm_std if not v > 0]
+    if bad:
+        raise ConfigError(
+            f"data_args.norm_std: {_short(d.norm_std)} holds {bad[0]:g}; every channel's std divides the pixels, so "
+            "it must be > 0 (e.g. 0.3081), or leave norm_std out to measure it on the server's data"
+        )
+
+
+_ignored_warned: set[str] = set()
+
+
+def _warn_deployment_keys_ignored(cfg: ExperimentConfig) -> None:
+    """Warn (once per process) that ``num_classes`` / ``norm_mean`` / ``norm_std`` are read in deployment mode only."""
+    if cfg.comm_args.mode == "deployment":
+        return
+    d = cfg.data_args
+    given = [k for k in ("num_classes", "norm_mean", "norm_std") if getattr(d, k)]
+    text = ", ".join(f"data_args.{k}" for k in given)
+    if given and text not in _ignored_warned:
+        _ignored_warned.add(text)
+        log.warning(
+            "%s: read only in comm_args.mode deployment; dataset %s brings its own classes and normalisation, so "
+            "the value is ignored here (remove it)",
+            text,
+            d.dataset,
+        )
 
 
 def partition_options(d: DataArgs) -> PartitionOptions:
