@@ -33,7 +33,7 @@ from . import envvars
 from .atomic import atomic_write
 from .data.partition_methods import METHODS, SCENARIOS, PartitionOptions
 from .errors import ConfigError  # re-exported: raised by every layer, caught by the CLI
-from .limits import MAX_CLASSES
+from .limits import MAX_CLASSES, text_position
 
 log = logging.getLogger(__name__)
 
@@ -754,6 +754,7 @@ class _ConfigLoader(yaml.SafeLoader):
 
     def __init__(self, stream: str, source: str) -> None:
         super().__init__(stream)
+        self.name = source  # YAML's own messages name the file, not "<unicode string>"
         self.source = source
         self.depth = 0
 
@@ -997,7 +998,10 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     try:
         text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is no part of the YAML
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not a text file ({exc.reason} at byte {exc.start}); pass a YAML config") from exc
+        raise ConfigError(
+            f"{p}: not a text file ({text_position(data, exc.start)}: byte 0x{data[exc.start]:02x} is not UTF-8); "
+            "pass a YAML config"
+        ) from None
     data = load_yaml(text, str(p))
     if data is None:
         return {}
