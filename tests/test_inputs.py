@@ -417,6 +417,8 @@ def test_a_disk_too_small_for_the_first_round_is_one_line_naming_the_file(small_
     assert line.startswith("fedml-ssfl: error: ") and "please report it" not in err, err
     assert f"cannot write in the run folder {disk / 'digits_semifl'}: {disk / 'digits_semifl'}/" in line, line
     assert "No space left on device" in line and "(summary.json was not written: " in line, line
+    # no checkpoint yet: --resume would be refused, so the line advises what works (issue 38)
+    assert "no checkpoint was written yet, so there is nothing to resume" in line and "--resume" not in line, line
 
 
 TENSORBOARD_ON_A_FULL_DISK = """
