@@ -23,6 +23,7 @@ import pytest
 
 from fedml_ssfl.cli import main
 from fedml_ssfl.config import ConfigError
+from tests.conftest import SMALL
 from tests.test_inputs import _grpc_job, _sets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -376,7 +377,8 @@ def test_an_invalid_variable_is_refused_before_the_data_loads(tmp_path, monkeypa
     from fedml_ssfl import envvars
 
     monkeypatch.setenv("FEDML_SSFL_MAX_MESSAGE_BYTES", "lots")
-    assert main(["run", "--set", f"common_args.output_dir={tmp_path}"]) == 2
+    sets = [x for item in (*SMALL, f"common_args.output_dir={tmp_path}") for x in ("--set", item)]
+    assert main(["run", *sets]) == 2  # read late, the small run would have run (the simulator sends no message)
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("fedml-ssfl: error: FEDML_SSFL_MAX_MESSAGE_BYTES='lots': expected a size in bytes"), line
     assert not list(tmp_path.iterdir())  # nothing ran: no run folder
