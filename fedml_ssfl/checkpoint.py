@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +96,18 @@ def load_checkpoint(
         its digest, unknown format, or written by a run with a different configuration.
     """
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder, not a checkpoint file; pass the checkpoint (a run's checkpoints/last.pt), or the "
+            "run folder where the command takes one"
+        )
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: nothing to resume (run without --resume to start)")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a damaged file
+        if isinstance(exc, pickle.UnpicklingError) and "weights only load failed" in str(exc).lower():
+            raise _unsafe_pickle(path, exc) from None
         raise CheckpointError(
             f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__}: {exc}); it was left untouched. "
             "Resume from an intact copy or start a new run."
@@ -115,6 +124,16 @@ def load_checkpoint(
     if fingerprint is not None and payload.get("fingerprint") != fingerprint:
         raise CheckpointError(_refusal(path, payload, fingerprint, config))
     return payload
+
+
+def _unsafe_pickle(path: Path, exc: Exception) -> CheckpointError:
+    """A pickle holding more than tensors and plain containers: refused, without PyTorch's advice to unpickle it."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    what = f" ({found.group(1)})" if found else ""
+    return CheckpointError(
+        f"{path} is not a fedml_ssfl checkpoint: it holds pickled Python objects{what} beyond tensors, and unpickling "
+        "them could run code, so it is refused; pass a checkpoint `fedml-ssfl run` wrote (checkpoints/last.pt)"
+    )
 
 
 IGNORED_KEYS = (

@@ -531,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     from .runtime.local import RunFailed
 
     try:
+        envvars.check_all()  # a bad variable is refused now, not once the data has loaded
         return COMMANDS[args.command](args)
     except (ConfigError, CheckpointError, RunFailed, FileNotFoundError) as exc:
         print(error_line(str(exc)), file=sys.stderr)

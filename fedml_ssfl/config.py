@@ -33,7 +33,7 @@ from . import envvars
 from .atomic import atomic_write
 from .data.partition_methods import METHODS, SCENARIOS, PartitionOptions
 from .errors import ConfigError  # re-exported: raised by every layer, caught by the CLI
-from .limits import MAX_CLASSES
+from .limits import MAX_CLASSES, text_position
 
 log = logging.getLogger(__name__)
 
@@ -247,42 +247,75 @@ MAX_RUN_NAME_BYTES = 200
 MAX_IMAGE_SIDE = 4096
 """The largest height or width of ``data_args.synthetic_shape``."""
 
-# (key, lower bound, upper bound or None, inclusive lower)
+MAX_SAMPLES = 10**9
+"""The most samples a count of samples may name (``num_server_labels``, ``synthetic_num_samples``, ...)."""
+
+MAX_ROUNDS = 10**6
+"""The most rounds (``comm_round``) and the largest round count any other key names (warm-up, stages, test and
+checkpoint intervals)."""
+
+MAX_STEPS = 10**7
+"""The most local steps (``local_steps``) or epochs a round may take."""
+
+MAX_BATCH_SIZE = 10**5
+"""The largest batch (``batch_size``, ``eval_batch_size``, an algorithm's ``*_batch_size``): a batch is
+allocated whole on the device."""
+
+MAX_THREADS = 1024
+"""The most torch CPU threads (``device_args.num_threads``; 100,000 crashed the process creating them)."""
+
+MAX_GPU_ID = 1023
+"""The largest ``device_args.gpu_id``."""
+
+MAX_STATE_MB = 2**30
+"""The largest ``device_args.state_memory_mb`` (1 PiB)."""
+
+MAX_FACTOR = 10**6
+"""The largest learning rate, weight decay, Dirichlet concentration or other real-valued factor: beyond it a
+value is a typo, not a setting (training diverges long before)."""
+
+MAX_HYPERPARAMETER = 10**7
+"""Any number in ``ssfl_args`` lies within +-MAX_HYPERPARAMETER (a backstop behind each algorithm's own checks;
+``*_batch_size`` keys within :data:`MAX_BATCH_SIZE`)."""
+
+# (key, lower bound, upper bound, inclusive lower); every numeric key of the sections has a row (a test checks)
 RANGES: list[tuple[str, float, float | None, bool]] = [
     ("common_args.random_seed", 0, 2**63 - 1, True),
-    ("data_args.num_server_labels", 0, None, True),
-    ("data_args.num_server_val", 0, None, True),
+    ("data_args.num_server_labels", 0, MAX_SAMPLES, True),
+    ("data_args.num_server_val", 0, MAX_SAMPLES, True),
     ("data_args.non_iid_r", 0.0, 1.0, True),
-    ("data_args.partition_alpha", 0.0, None, False),
-    ("data_args.classes_per_client", 1, None, True),
-    ("data_args.labels_per_class_client", 0, None, True),
+    ("data_args.partition_alpha", 0.0, MAX_FACTOR, False),
+    ("data_args.classes_per_client", 1, MAX_CLASSES, True),
+    ("data_args.labels_per_class_client", 0, MAX_SAMPLES, True),
     ("data_args.client_label_ratio", 0.0, 1.0, True),
     ("data_args.imbalance_strength", 0.0, 1.0, True),
-    ("data_args.num_stages", 1, None, True),
-    ("data_args.rounds_per_stage", 1, None, True),
+    ("data_args.num_stages", 1, MAX_ROUNDS, True),
+    ("data_args.rounds_per_stage", 1, MAX_ROUNDS, True),
     ("data_args.rich_client_fraction", 0.0, 1.0, True),
     ("data_args.rich_label_ratio", 0.0, 1.0, True),
     ("data_args.poor_label_ratio", 0.0, 1.0, True),
-    ("data_args.synthetic_num_samples", 1, None, True),
+    ("data_args.synthetic_num_samples", 1, MAX_SAMPLES, True),
     ("data_args.synthetic_num_classes", 2, MAX_CLASSES, True),
     ("data_args.num_classes", 0, MAX_CLASSES, True),
     ("train_args.client_num_in_total", 1, MAX_CLIENTS, True),
-    ("train_args.client_num_per_round", 1, None, True),
-    ("train_args.comm_round", 1, None, True),
-    ("train_args.local_steps", 1, None, True),
-    ("train_args.batch_size", 1, None, True),
-    ("train_args.learning_rate", 0.0, None, False),
+    ("train_args.client_num_per_round", 1, MAX_CLIENTS, True),
+    ("train_args.comm_round", 1, MAX_ROUNDS, True),
+    ("train_args.local_steps", 1, MAX_STEPS, True),
+    ("train_args.epochs", 0, MAX_STEPS, True),
+    ("train_args.batch_size", 1, MAX_BATCH_SIZE, True),
+    ("train_args.learning_rate", 0.0, MAX_FACTOR, False),
     ("train_args.momentum", 0.0, 1.0, True),
-    ("train_args.weight_decay", 0.0, None, True),
-    ("train_args.lr_cosine_c", 0.0, None, False),
-    ("train_args.lr_warmup_rounds", 0, None, True),
+    ("train_args.weight_decay", 0.0, MAX_FACTOR, True),
+    ("train_args.lr_cosine_c", 0.0, MAX_FACTOR, False),
+    ("train_args.lr_warmup_rounds", 0, MAX_ROUNDS, True),
     ("train_args.lr_floor", 0.0, 1.0, True),
-    ("train_args.stack_size", 0, None, True),
-    ("validation_args.frequency_of_the_test", 1, None, True),
-    ("validation_args.eval_batch_size", 1, None, True),
-    ("tracking_args.checkpoint_every", 1, None, True),
-    ("device_args.num_threads", 0, None, True),
-    ("device_args.state_memory_mb", 0.0, None, True),
+    ("train_args.stack_size", 0, MAX_CLIENTS, True),
+    ("validation_args.frequency_of_the_test", 1, MAX_ROUNDS, True),
+    ("validation_args.eval_batch_size", 1, MAX_BATCH_SIZE, True),
+    ("tracking_args.checkpoint_every", 1, MAX_ROUNDS, True),
+    ("device_args.num_threads", 0, MAX_THREADS, True),
+    ("device_args.gpu_id", 0, MAX_GPU_ID, True),
+    ("device_args.state_memory_mb", 0.0, MAX_STATE_MB, True),
 ]
 
 
@@ -500,6 +533,8 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
             f"take {MAX_RUN_NAME_BYTES} here: shorten it"
         )
     _check_partition(cfg.data_args)
+    _check_normalisation(cfg.data_args)
+    _warn_deployment_keys_ignored(cfg)
     if cfg.comm_args.mode == "deployment":
         _check_deployment(cfg)
 
@@ -536,6 +571,47 @@ def _check_deployment(cfg: ExperimentConfig) -> None:
         )
     if (d.norm_mean or d.norm_std) and len(d.norm_mean) != len(d.norm_std):
         raise ConfigError("data_args.norm_mean and norm_std need one value per channel each (or both empty)")
+
+
+def _check_normalisation(d: DataArgs) -> None:
+    """``num_classes`` is 0 or >= 2; ``norm_mean`` / ``norm_std`` one value per channel (1 or 3), every std > 0."""
+    if d.num_classes == 1:
+        raise ConfigError(
+            "data_args.num_classes: 1 class leaves nothing to classify; give the class count (>= 2), or 0 to take it "
+            "from the server's labels"
+        )
+    for key, values in (("norm_mean", d.norm_mean), ("norm_std", d.norm_std)):
+        if values and len(values) not in (1, 3):
+            raise ConfigError(
+                f"data_args.{key}: {_short(values)} has {len(values)} values; give one per channel of the images "
+                "(1 for grey, 3 for RGB), or leave it out to measure it on the server's data"
+            )
+    bad = [v for v in d.norm_std if not v > 0]
+    if bad:
+        raise ConfigError(
+            f"data_args.norm_std: {_short(d.norm_std)} holds {bad[0]:g}; every channel's std divides the pixels, so "
+            "it must be > 0 (e.g. 0.3081), or leave norm_std out to measure it on the server's data"
+        )
+
+
+_ignored_warned: set[str] = set()
+
+
+def _warn_deployment_keys_ignored(cfg: ExperimentConfig) -> None:
+    """Warn (once per process) that ``num_classes`` / ``norm_mean`` / ``norm_std`` are read in deployment mode only."""
+    if cfg.comm_args.mode == "deployment":
+        return
+    d = cfg.data_args
+    given = [k for k in ("num_classes", "norm_mean", "norm_std") if getattr(d, k)]
+    text = ", ".join(f"data_args.{k}" for k in given)
+    if given and text not in _ignored_warned:
+        _ignored_warned.add(text)
+        log.warning(
+            "%s: read only in comm_args.mode deployment; dataset %s brings its own classes and normalisation, so "
+            "the value is ignored here (remove it)",
+            text,
+            d.dataset,
+        )
 
 
 def partition_options(d: DataArgs) -> PartitionOptions:
@@ -586,6 +662,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
+    _check_hyperparameter_bounds(algo_cfg)
     cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
     if cfg.comm_args.mode == "deployment" and "dataset" not in (raw.get("data_args") or {}):
         kind = "script" if cfg.data_args.local_data == SCRIPT_DATA else "files"
@@ -610,6 +687,22 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         )
     algo_cfg.check(cfg)
     return cfg
+
+
+def _check_hyperparameter_bounds(algo_cfg: Any) -> None:
+    """Every number in ``ssfl_args`` within :data:`MAX_HYPERPARAMETER` (``*_batch_size``: :data:`MAX_BATCH_SIZE`)."""
+    for f in dataclasses.fields(algo_cfg):
+        value = getattr(algo_cfg, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        limit = MAX_BATCH_SIZE if f.name.endswith("batch_size") else MAX_HYPERPARAMETER
+        if abs(value) > limit:
+            raise ConfigError(
+                f"ssfl_args.{f.name}: {_short(value)} is out of range; it must lie within +-{limit:,} (its default is "
+                f"{f.default!r})"
+                if f.default is not dataclasses.MISSING
+                else f"ssfl_args.{f.name}: {_short(value)} is out of range; it must lie within +-{limit:,}"
+            )
 
 
 def _check_stacking(cfg: ExperimentConfig, algo_cls: Any, registry: Any) -> None:
@@ -641,6 +734,14 @@ MAX_NESTING = 16
 MAX_DIGITS = 40
 """The most digits a YAML integer may have (no key takes a number beyond 2**63, 19 digits)."""
 
+MAX_VALUES = 100_000
+"""The most values (mappings, lists, scalars) a config may hold once its aliases (``*name``) are expanded: a
+config holds a few hundred. Nested aliases ("billion laughs": 700 bytes that expand to 9**9 values) are
+refused before anything walks the expansion."""
+
+_NON_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""The characters YAML refuses (PyYAML's ``Reader.NON_PRINTABLE``): control characters, NUL, lone surrogates."""
+
 
 class _ConfigLoader(yaml.SafeLoader):
     """``yaml.safe_load`` for configs, with four differences, each refused in one line naming the line.
@@ -653,6 +754,7 @@ class _ConfigLoader(yaml.SafeLoader):
 
     def __init__(self, stream: str, source: str) -> None:
         super().__init__(stream)
+        self.name = source  # YAML's own messages name the file, not "<unicode string>"
         self.source = source
         self.depth = 0
 
@@ -672,8 +774,48 @@ class _ConfigLoader(yaml.SafeLoader):
             self.depth -= 1
 
     def construct_document(self, node: Any) -> Any:
+        self._check_expansion(node)
         self._check_duplicates(node, "")
         return super().construct_document(node)
+
+    def _check_expansion(self, root: Any) -> None:
+        """Refuse a document whose aliases expand past :data:`MAX_VALUES` values or :data:`MAX_NESTING` levels.
+
+        Each node is measured once (an alias is the node it names, so a measured node's size is reused):
+        linear in the file, however far its aliases would expand. A node that contains itself is refused too.
+        """
+        done: dict[int, tuple[int, int]] = {}  # id(node) -> (values once expanded, depth)
+        open_: set[int] = set()  # nodes on the current path
+        stack = [root]
+        while stack:
+            node = stack[-1]
+            key = id(node)
+            if key in done:
+                stack.pop()
+                continue
+            kids = _children(node)
+            if key not in open_:
+                open_.add(key)
+                for kid in kids:
+                    if id(kid) in open_:
+                        raise ConfigError(
+                            f"{self._where(kid.start_mark)}: an alias refers to a value that contains it (it would "
+                            "expand for ever); replace the alias with the values it stands for"
+                        )
+                    if id(kid) not in done:
+                        stack.append(kid)
+                continue
+            size = 1 + sum(done[id(k)][0] for k in kids)
+            depth = 1 + max((done[id(k)][1] for k in kids), default=0)
+            if size > MAX_VALUES or depth > MAX_NESTING:
+                raise ConfigError(
+                    f"{self._where(node.start_mark)}: its aliases (*name) expand to more than "
+                    + (f"{MAX_VALUES:,} values" if size > MAX_VALUES else f"{MAX_NESTING} levels of nesting")
+                    + "; a config holds a few hundred values: write them out, without nested aliases"
+                )
+            done[key] = (size, depth)
+            open_.discard(key)
+            stack.pop()
 
     def _check_duplicates(self, node: Any, path: str) -> None:
         if isinstance(node, yaml.SequenceNode):
@@ -705,6 +847,29 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_yaml_int(node)
 
 
+def _children(node: Any) -> list[Any]:
+    """The nodes directly inside a YAML node (a mapping's keys and values; none for a scalar)."""
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_characters(text: str, source: str) -> None:
+    """Refuse a character YAML does not allow (a control character, NUL), naming its line and column."""
+    match = _NON_PRINTABLE.search(text)
+    if match is None:
+        return
+    line = text.count("\n", 0, match.start()) + 1
+    column = match.start() - (text.rfind("\n", 0, match.start()) + 1) + 1
+    name = "a NUL byte" if match.group() == "\0" else f"the control character U+{ord(match.group()):04X}"
+    raise ConfigError(
+        f"{source}, line {line}, column {column}: {name}, which YAML does not allow; a config is text: remove it "
+        "(or write it as an escape such as \\t inside double quotes)"
+    )
+
+
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -719,9 +884,14 @@ def load_yaml(text: str, source: str) -> Any:
     Raises
     ------
     ConfigError
-        Malformed YAML, a duplicate key, nesting too deep or an integer too long, naming ``source`` and the line.
+        Malformed YAML, a character YAML refuses, a duplicate key, nesting too deep (aliases expanded), aliases
+        expanding past :data:`MAX_VALUES` values or an integer too long, naming ``source`` and the line.
     """
-    loader = _ConfigLoader(text, source)
+    _check_characters(text, source)
+    try:
+        loader = _ConfigLoader(text, source)
+    except yaml.YAMLError as exc:  # the reader's own check, should another character pass ours
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     try:
         return loader.get_single_data()
     except yaml.YAMLError as exc:
@@ -828,7 +998,10 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     try:
         text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is no part of the YAML
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not a text file ({exc.reason} at byte {exc.start}); pass a YAML config") from exc
+        raise ConfigError(
+            f"{p}: not a text file ({text_position(data, exc.start)}: byte 0x{data[exc.start]:02x} is not UTF-8); "
+            "pass a YAML config"
+        ) from None
     data = load_yaml(text, str(p))
     if data is None:
         return {}

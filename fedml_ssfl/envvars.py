@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import ConfigError
@@ -158,3 +159,47 @@ def file_path(name: str) -> Path | None:
     if not path.parent.is_dir():
         raise _refuse(name, value, f"a file in an existing folder ({path.parent} does not exist)")
     return path
+
+
+def _seconds(name: str) -> Callable[[], object]:
+    return lambda: seconds(name, 0.0)
+
+
+CHECKS: dict[str, Callable[[], object]] = {
+    **{
+        name: _seconds(name)
+        for name in (
+            "FEDML_SSFL_ROUND_TIMEOUT",
+            "FEDML_SSFL_CONNECT_TIMEOUT",
+            "FEDML_SSFL_FINISH_GRACE",
+            "FEDML_SSFL_OUTAGE_BUDGET",
+            "FEDML_SSFL_HEARTBEAT_INTERVAL",
+            "FEDML_SSFL_IDLE_TIMEOUT",
+        )
+    },
+    "FEDML_SSFL_MAX_MESSAGE_BYTES": lambda: nbytes("FEDML_SSFL_MAX_MESSAGE_BYTES", 1),
+    "FEDML_SSFL_MAX_INPUT_BYTES": lambda: nbytes("FEDML_SSFL_MAX_INPUT_BYTES", 1),
+    "FEDML_SSFL_JOB_KEY": lambda: text("FEDML_SSFL_JOB_KEY"),
+    "FEDML_SSFL_SET": lambda: text("FEDML_SSFL_SET"),
+    "FEDML_SSFL_ALLOW_NETWORK": lambda: flag("FEDML_SSFL_ALLOW_NETWORK"),
+    "FEDML_SSFL_NET_RECORD": lambda: file_path("FEDML_SSFL_NET_RECORD"),
+    "FEDML_CLIENT_RANK": lambda: integer("FEDML_CLIENT_RANK", None, minimum=0),
+    "FEDML_CURRENT_RUN_ID": lambda: text("FEDML_CURRENT_RUN_ID", max_length=256),
+}
+"""Every variable of the module docstring's list, read as the module that uses it reads it (keep the two in
+step): :func:`check_all` reads them all when a command starts."""
+
+
+def check_all() -> None:
+    """Read every variable in :data:`CHECKS` that is set, so a bad value is refused before any work.
+
+    The modules read their variables where they use them (an invalid ``FEDML_SSFL_MAX_MESSAGE_BYTES`` was
+    refused only once the data had loaded); the command line calls this first.
+
+    Raises
+    ------
+    ConfigError
+        The first variable whose value its reader refuses, naming it, the value and the fix.
+    """
+    for check in CHECKS.values():
+        check()

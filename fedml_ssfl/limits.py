@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import os
 import resource
+import stat
 from pathlib import Path
 
 from . import envvars
+from .errors import ConfigError
 
 MAX_CLASSES = 100_000
 """The most classes a dataset may have (ImageNet-21k has 21,841): a label, ``num_classes`` or a ``class_names``
@@ -94,3 +96,51 @@ def too_large(what: str, nbytes: int, limit: int | None = None) -> str | None:
         f"({INPUT_ENV}; default a quarter of this machine's memory): split the data into smaller files, or raise "
         f"{INPUT_ENV} if the machine has the memory"
     )
+
+
+MAX_SMALL_FILE = 2**20
+"""The largest small input file read whole (a TLS PEM file, the job key, an ipconfig CSV, a GPU mapping): each is
+a few KiB; a device (``/dev/zero``) or a huge file is refused unread."""
+
+
+def read_small_file(path: str | Path, what: str, fix: str, limit: int = MAX_SMALL_FILE) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them; else one :class:`ConfigError`.
+
+    ``what`` names the input (``comm_args.tls_cert``) and ``fix`` says what to pass instead. A folder, a
+    device, a pipe or a socket is refused by name without reading (a pipe is opened non-blocking, so
+    naming one does not hang), and a file larger than ``limit`` after reading ``limit + 1`` bytes at most.
+    """
+    p = Path(path).expanduser()
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except IsADirectoryError:
+        raise ConfigError(f"{what}: {p} is a folder, not a file; {fix}") from None
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read {p} ({exc.strerror or exc}); {fix}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{what}: {p} is a folder, not a file; {fix}")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{what}: {p} is not a regular file (a device, pipe or socket); {fix}")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read {p} ({exc.strerror or exc}); {fix}") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise ConfigError(f"{what}: {p} is larger than {size_text(limit)}, too large for what it should hold; {fix}")
+    return b"".join(chunks)
+
+
+def text_position(data: bytes, offset: int) -> str:
+    """``line L, column C`` of byte ``offset`` in ``data`` (both from 1; the column counts bytes)."""
+    line = data.count(b"\n", 0, offset) + 1
+    column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+    return f"line {line}, column {column}"

@@ -163,6 +163,11 @@ def _npy_header(fh, size: int, source: Path, key: str) -> tuple[tuple[int, ...],
         offset = fh.tell()
     except (ValueError, OSError, EOFError, SyntaxError, zipfile.BadZipFile) as exc:
         raise EdgeInputError(f"{source}: {key} is not a readable .npy array ({exc}); save it with np.save") from None
+    if any(int(d) < 0 for d in shape):
+        raise EdgeInputError(
+            f"{source}: {key}'s header claims shape {tuple(shape)}, with a negative size: the file is damaged or was "
+            "not written by NumPy; save it again with np.save"
+        )
     if dtype.hasobject:
         raise EdgeInputError(
             f"{source}: {key} is an object array (pickled Python objects, never loaded); save "
@@ -185,14 +190,15 @@ def _read_npy(path: Path) -> np.ndarray:
 
 
 def _read_npz(path: Path) -> tuple[np.ndarray, list[str] | None]:
-    """``images`` (or the one array) and the ``ids`` of an ``.npz``, every member's header checked first."""
+    """``images`` and the ``ids`` of an ``.npz``, every member's header checked first (no ``images``: refused)."""
     try:
         with zipfile.ZipFile(path) as zf:
             members = {i.filename[:-4]: i for i in zf.infolist() if i.filename.endswith(".npy")}
-            key = "images" if "images" in members else (next(iter(members)) if len(members) == 1 else None)
-            if key is None:
+            key = "images"
+            if key not in members:  # another array is not taken for the images (it was, silently, when alone)
                 raise EdgeInputError(
-                    f"{path}: an .npz needs an 'images' array (found {', '.join(members) or 'nothing'})"
+                    f"{path}: an .npz needs an 'images' array (found {', '.join(members) or 'nothing'}); save it "
+                    "with np.savez(path, images=...), or pass a .npy of the images"
                 )
             for name in (key, "ids"):
                 if name in members:
@@ -306,6 +312,10 @@ class EdgeLabeler:
         import onnxruntime as ort
 
         path = Path(model_path)
+        if path.is_dir():
+            raise EdgeInputError(
+                f"model file {path} is a folder; pass the model.onnx / model.ort in it that `fedml-ssfl export` wrote"
+            )
         if not path.is_file():
             raise EdgeInputError(f"model file {path} does not exist")
         if path.stat().st_size > MAX_MODEL_BYTES:
@@ -738,6 +748,8 @@ class EnsembleState:
         """Read ``path`` (a fresh state when missing or ``reset``); refuse a state from another run or label set."""
         state = cls(info.class_names, info.config_hash)
         p = Path(path)
+        if p.is_dir():
+            raise EdgeInputError(f"ensemble state {p} is a folder; pass a file name (e.g. {p / 'ensemble.npz'})")
         if reset or not p.is_file():
             return state
         try:

@@ -805,6 +805,8 @@ def load_run_source(source: str | Path) -> RunSource:
     src = Path(source).expanduser()
     if src.is_dir():
         ckpt = src / "checkpoints" / "last.pt"
+        if ckpt.is_dir():
+            raise ExportError(f"{ckpt} is a folder, not a checkpoint file; pass a checkpoint `fedml-ssfl run` wrote")
         if not ckpt.is_file() and not (src / "config.yaml").is_file():
             raise ExportError(
                 f"{src} is not a run folder (it has no config.yaml and no checkpoints/last.pt); pass "

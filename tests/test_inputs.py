@@ -77,7 +77,13 @@ CONFIG_CASES = [
         "config.yaml: key 'train_args' is given twice, on line 1 and line 5",
     ),
     ("1e-3 is a number", "train_args:\n  learning_rate: 1e-3\n", [], 0, "learning_rate: 0.001"),
-    ("1e30 is a number", "train_args:\n  weight_decay: 1e30\n", [], 0, "weight_decay: 1.0e+30"),
+    (  # read as a number (a string would be "expected a number"), then held to its bound
+        "1e30 is a number",
+        "train_args:\n  weight_decay: 1e30\n",
+        [],
+        2,
+        "train_args.weight_decay: 1e+30 is out of range; it must be >= 0.0 and <= 1000000",
+    ),
     ("1e2 is a whole number", "train_args:\n  comm_round: 1e2\n", [], 0, "comm_round: 100"),
     ("1.5 is no integer", "train_args:\n  comm_round: 1.5\n", [], 2, "train_args.comm_round: expected an integer"),
     ("infinity", "train_args:\n  weight_decay: .inf\n", [], 2, "train_args.weight_decay: inf is not a finite number"),
@@ -411,6 +417,8 @@ def test_a_disk_too_small_for_the_first_round_is_one_line_naming_the_file(small_
     assert line.startswith("fedml-ssfl: error: ") and "please report it" not in err, err
     assert f"cannot write in the run folder {disk / 'digits_semifl'}: {disk / 'digits_semifl'}/" in line, line
     assert "No space left on device" in line and "(summary.json was not written: " in line, line
+    # no checkpoint yet: --resume would be refused, so the line advises what works (issue 38)
+    assert "no checkpoint was written yet, so there is nothing to resume" in line and "--resume" not in line, line
 
 
 TENSORBOARD_ON_A_FULL_DISK = """

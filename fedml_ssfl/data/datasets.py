@@ -459,6 +459,13 @@ def _idx_pair(images: tuple[Path, np.ndarray], labels: tuple[Path, np.ndarray]) 
     (x_path, x), (y_path, y) = images, labels
     if x.ndim != 3:
         raise DataFormatError(f"{x_path}: holds an array of shape {x.shape}, not images (N, H, W); {_REDOWNLOAD}")
+    if x.dtype != np.uint8:  # as the npz reader: pixels are 8-bit (float pixels were silently cast)
+        raise DataFormatError(
+            f"{x_path}: holds {x.dtype} pixels, not 8-bit (uint8, IDX type 0x08) images; write them as uint8 0..255, "
+            f"or {_REDOWNLOAD}"
+        )
+    if y.dtype.kind not in "iu":
+        raise DataFormatError(f"{y_path}: holds {y.dtype} labels, not integers (IDX type 0x08); {_REDOWNLOAD}")
     if y.ndim != 1:
         raise DataFormatError(f"{y_path}: holds an array of shape {y.shape}, not labels (N,); {_REDOWNLOAD}")
     _check_counts(x_path, len(x), y_path, len(y))

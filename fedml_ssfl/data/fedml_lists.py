@@ -305,6 +305,12 @@ def server_dataset(
     source = train if train is not None else test
     if not mean or not std:
         mean, std = _channel_stats(source.images)
+    channels = int(source.images.shape[1])
+    if len(mean) != channels or len(std) != channels:
+        raise ConfigError(
+            f"data_args.norm_mean / norm_std need one value per channel of the script's images ({channels}), got "
+            f"{list(mean)} / {list(std)}; give {channels} value(s) each, or leave both out to measure them"
+        )
     names = next((d.class_names for d in parts if d.class_names and len(d.class_names) == num_classes), None)
     empty = test.images[:0]
     server = ImageDataset(

@@ -322,6 +322,12 @@ def npy_header(fh: Any, size: int, source: str | Path, key: str) -> tuple[tuple[
         raise _fail(
             source, f"{key} is not a readable .npy array ({exc}); write it again with np.save / np.savez"
         ) from None
+    if any(int(d) < 0 for d in shape):
+        raise _fail(
+            source,
+            f"{key}'s header claims shape {tuple(shape)}, with a negative size: the file is damaged or was not "
+            "written by NumPy; write it again with np.save / np.savez",
+        )
     if dtype.hasobject:
         raise _fail(
             source,

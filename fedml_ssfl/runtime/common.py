@@ -714,12 +714,17 @@ class RunRecorder:
         if target != self.run_dir and self.run_dir not in target.parents:  # e.g. device_args.state_spill_dir
             where = f"{target} (outside the run folder {self.run_dir})"
         reason = folder_error(target, exc)
-        kept = self.ckpt_path if self.ckpt_path.is_file() else "none yet"
-        text = (
-            f"{when}: cannot write {where}: {reason}; outputs already saved are intact (last good checkpoint: "
-            f"{kept}): once that is fixed (or disk space freed), continue with `fedml-ssfl run --resume "
-            f"{self.run_dir}`"
-        )
+        if self.ckpt_path.is_file():
+            text = (
+                f"{when}: cannot write {where}: {reason}; outputs already saved are intact (last good checkpoint: "
+                f"{self.ckpt_path}): once that is fixed (or disk space freed), continue with `fedml-ssfl run --resume "
+                f"{self.run_dir}`"
+            )
+        else:  # --resume would be refused (no checkpoint): say what works
+            text = (
+                f"{when}: cannot write {where}: {reason}; no checkpoint was written yet, so there is nothing to "
+                "resume: once that is fixed (or disk space freed), run the same command again (it starts afresh)"
+            )
         return RunFailed(text + self._failed_summary(text))
 
     def _failed_summary(self, error: str) -> str:

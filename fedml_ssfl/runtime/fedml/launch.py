@@ -9,6 +9,7 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import io
 import ipaddress
 import logging
 import os
@@ -21,11 +22,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import yaml
-
 from ... import envvars
-from ...config import ConfigError, ExperimentConfig
+from ...config import ConfigError, ExperimentConfig, load_yaml
 from ...experiment import Experiment, deployed
+from ...limits import read_small_file, text_position
 
 log = logging.getLogger(__name__)
 
@@ -94,30 +94,58 @@ def read_ipconfig(path: str | Path, run_id: str = "") -> dict[int, tuple[str, in
     addresses still have to be known).
     """
     p = Path(path).expanduser()
-    if not p.is_file():
+    if not p.exists():  # a folder or a device is named as such by the bounded read
         raise ConfigError(
             f"comm_args.grpc_ipconfig_path: {p} not found; GRPC needs a CSV with columns "
             "eid,rank,grpc_server_ip[,grpc_server_port] (see deploy/ipconfig.csv)"
         )
-    with p.open(newline="", encoding="utf-8-sig") as fh:  # a UTF-8 byte-order mark is no part of the header
-        rows = list(csv.DictReader(fh))
+    rows = _ipconfig_rows(p)
     need = {"eid", "rank", "grpc_server_ip"}
     if not rows or not need <= set(rows[0]):
         raise ConfigError(f"{p}: expected a header eid,rank,grpc_server_ip[,grpc_server_port] and one row per rank")
     table: dict[int, tuple[str, int]] = {}
     for row in rows:
+        if None in (row.get("eid"), row.get("rank"), row.get("grpc_server_ip")):
+            fields = ",".join(v for k, v in row.items() if k is not None and v is not None)
+            raise ConfigError(f"{p}: the row {fields!r} has fewer fields than the header; {_IPCONFIG_FIX}")
         text = (row.get("grpc_server_port") or "").strip()
         try:
             eid, rank = int(row["eid"]), int(row["rank"])
             port = int(text) if text else run_port(run_id, rank, len(rows))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: a row with fewer fields than the header
             raise ConfigError(f"{p}: eid, rank and grpc_server_port must be integers ({exc})") from exc
         if eid != rank:
             raise ConfigError(f"{p}: row with eid {eid} has rank {rank}; use eid = rank (0 = server)")
+        if rank in table:
+            raise ConfigError(f"{p}: rank {rank} has two rows; give each rank one row (one address per process)")
         if not 1 <= port <= 65535:
             raise ConfigError(f"{p}: rank {rank}'s grpc_server_port {port} is not a TCP port; use 1..65535")
         table[rank] = (_address(row["grpc_server_ip"], p, rank), port)
     return table
+
+
+_IPCONFIG_FIX = (
+    "an ipconfig is a CSV text file with columns eid,rank,grpc_server_ip[,grpc_server_port] (see deploy/ipconfig.csv)"
+)
+
+
+def _ipconfig_rows(p: Path) -> list[dict[str, Any]]:
+    """The ipconfig CSV's rows, read with a size bound; bytes that are no CSV text are named by line and column."""
+    data = read_small_file(p, "comm_args.grpc_ipconfig_path", _IPCONFIG_FIX)
+    try:
+        text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is no part of the header
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{p}, {text_position(data, exc.start)}: byte 0x{data[exc.start]:02x} is not UTF-8 text; {_IPCONFIG_FIX}"
+        ) from None
+    if "\0" in text:
+        at = text_position(data, data.index(b"\0"))
+        raise ConfigError(f"{p}, {at}: a NUL byte; {_IPCONFIG_FIX}")
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        return list(reader)
+    except csv.Error as exc:
+        raise ConfigError(f"{p}, line {reader.line_num}: not CSV ({exc}); {_IPCONFIG_FIX}") from None
 
 
 _HOST_NAME = re.compile(r"(?=.{1,253}$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
@@ -147,9 +175,18 @@ def gpu_for_rank(mapping_file: str | Path, key: str, rank: int, world: int) -> i
     FedML's ``gpu_mapping.yaml``; the counts must add up to the job's C_k + 1 processes.
     """
     p = Path(mapping_file).expanduser()
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"device_args.gpu_mapping_file: {p} not found")
-    data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    raw = read_small_file(p, "device_args.gpu_mapping_file", "pass FedML's gpu_mapping.yaml")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"device_args.gpu_mapping_file: {p}, {text_position(raw, exc.start)}: not UTF-8 text"
+        ) from None
+    data = load_yaml(text, str(p)) or {}  # the configs' loader: aliases bounded, characters named
+    if not isinstance(data, dict):
+        raise ConfigError(f"device_args.gpu_mapping_file: {p} is not a mapping of keys; pass FedML's gpu_mapping.yaml")
     if key not in data:
         raise ConfigError(
             f"device_args.gpu_mapping_key: '{key}' is not in {p}; it has {', '.join(map(str, data)) or 'no keys'}"

@@ -44,6 +44,7 @@ from typing import Any
 
 from ... import envvars
 from ...config import ConfigError, ExperimentConfig
+from ...limits import read_small_file
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +142,7 @@ def pem_path(path: str, rank: int) -> Path:
 
 def _read(cfg_key: str, path: str, rank: int) -> bytes:
     p = pem_path(path, rank)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"comm_args.{cfg_key}: cannot read {p} ({exc.strerror or exc}); {_CERT_FIX}") from None
+    data = read_small_file(p, f"comm_args.{cfg_key}", _CERT_FIX)  # bounded: /dev/zero or 1 GiB is refused unread
     if not data.strip():
         raise ConfigError(f"comm_args.{cfg_key}: {p} is empty; {_CERT_FIX}")
     return data
@@ -159,10 +157,13 @@ def job_key(cfg: ExperimentConfig) -> bytes | None:
     source = KEY_ENV
     if not text and cfg.comm_args.job_key_file:
         path = Path(cfg.comm_args.job_key_file).expanduser()
+        data = read_small_file(path, "comm_args.job_key_file", _KEY_FIX)
         try:
-            text = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"comm_args.job_key_file: cannot read {path} ({exc}); {_KEY_FIX}") from None
+            text = data.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"comm_args.job_key_file: {path} is not text (byte {exc.start}: {exc.reason}); {_KEY_FIX}"
+            ) from None
         source = str(path)
     if not text:
         return None

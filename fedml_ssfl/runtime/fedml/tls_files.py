@@ -12,6 +12,7 @@ import re
 import ssl
 
 from ...config import ConfigError, ExperimentConfig
+from ...limits import read_small_file
 from .security import pem_path
 
 _FIX = "make a test CA with deploy/make_test_certs.sh, or point the key at your PEM file"
@@ -38,10 +39,7 @@ def check_tls_files(cfg: ExperimentConfig, rank: int) -> None:
     ca, cert, key = (pem_path(p, rank) for p in (c.tls_ca, c.tls_cert, c.tls_key))
     data = {}
     for name, path in (("tls_ca", ca), ("tls_cert", cert), ("tls_key", key)):
-        try:
-            data[name] = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"comm_args.{name}: cannot read {path} ({exc.strerror or exc}); {_FIX}") from None
+        data[name] = read_small_file(path, f"comm_args.{name}", _FIX)  # bounded: /dev/zero is refused unread
     if _KEY.search(data["tls_cert"]) and _CERT in data["tls_key"]:
         raise ConfigError(
             f"comm_args.tls_cert {cert} holds a private key and comm_args.tls_key {key} a certificate: the two are "
@@ -52,12 +50,15 @@ def check_tls_files(cfg: ExperimentConfig, rank: int) -> None:
             raise ConfigError(f"comm_args.{name}: {path} holds no PEM certificate ({_CERT.decode()}); {_FIX}")
     if not _KEY.search(data["tls_key"]):
         raise ConfigError(f"comm_args.tls_key: {key} holds no PEM private key (-----BEGIN PRIVATE KEY-----); {_FIX}")
+    for name, path in (("tls_ca", ca), ("tls_cert", cert)):  # each read alone: a junk certificate is named as such
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data[name].decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as exc:
+            reason = _reason(exc)
+            raise ConfigError(
+                f"comm_args.{name}: {path} is not a certificate OpenSSL can read ({reason}); {_FIX}"
+            ) from None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        context.load_verify_locations(cadata=data["tls_ca"].decode("ascii", "replace"))
-    except (ssl.SSLError, ValueError) as exc:
-        reason = _reason(exc)
-        raise ConfigError(f"comm_args.tls_ca: {ca} is not a certificate OpenSSL can read ({reason}); {_FIX}") from None
     try:
         context.load_cert_chain(cert, key, password=lambda: b"")  # an encrypted key fails instead of prompting
     except ssl.SSLError as exc:
@@ -66,9 +67,13 @@ def check_tls_files(cfg: ExperimentConfig, rank: int) -> None:
                 f"comm_args.tls_key {key} is not the private key of comm_args.tls_cert {cert}; pass the key made with "
                 "that certificate"
             ) from None
+        if b"ENCRYPTED" in data["tls_key"]:
+            raise ConfigError(
+                f"comm_args.tls_key: {key} is an encrypted private key ({_reason(exc)}); gRPC takes an unencrypted "
+                f"one: decrypt it (openssl pkey -in {key} -out KEY.pem) and pass that"
+            ) from None
         raise ConfigError(
-            f"comm_args.tls_cert / tls_key: OpenSSL cannot use {cert} with {key} ({_reason(exc)}; gRPC takes an "
-            f"unencrypted key); {_FIX}"
+            f"comm_args.tls_key: {key} is not a private key OpenSSL can read ({_reason(exc)}); {_FIX}"
         ) from None
 
 
