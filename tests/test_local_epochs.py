@@ -171,3 +171,19 @@ def test_epochs_are_accepted_in_deployment_mode_and_negative_refused() -> None:
     assert validate(raw).train_args.epochs == 1
     with pytest.raises(ConfigError, match=r"train_args\.epochs: -1 is out of range"):
         validate({"train_args": {"epochs": -1}})
+
+
+def test_a_streaming_client_counts_what_it_holds_that_round(small_config) -> None:
+    """streaming_noniid: a client's epoch is over the stages released by the round (its data then)."""
+    exp = _epochs_experiment(
+        small_config,
+        "data_args.partition_method=streaming_noniid",
+        "data_args.num_stages=3",
+        "data_args.rounds_per_stage=2",
+        "train_args.comm_round=6",
+    )
+    for k in range(4):
+        held = [exp.client_data(k, r).num_unlabeled for r in range(6)]
+        steps = [exp.algorithm.client_train(exp.client_data(k, r)).local_steps for r in range(6)]
+        assert steps == [2 * math.ceil(n / B) for n in held]
+        assert steps[0] < steps[5], (held, steps)
