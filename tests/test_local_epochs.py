@@ -187,3 +187,13 @@ def test_a_streaming_client_counts_what_it_holds_that_round(small_config) -> Non
         steps = [exp.algorithm.client_train(exp.client_data(k, r)).local_steps for r in range(6)]
         assert steps == [2 * math.ceil(n / B) for n in held]
         assert steps[0] < steps[5], (held, steps)
+
+
+def test_fedsiam_ramp_counts_the_e_epochs_of_train_args_epochs(small_config) -> None:
+    """FedSiam with ``local_epochs: null``: the authors' ramp counter sees E epochs of ceil(n / B) steps."""
+    exp = _epochs_experiment(small_config, "ssfl_args.algorithm=fedsiam")
+    data = _client(exp, 0, 0, 25)
+    with exp.algorithm.client_settings(data):
+        assert exp.algorithm.local_epochs(data) == (2, math.ceil(25 / B))
+    fixed = build_experiment(small_config("ssfl_args.algorithm=fedsiam"))  # epochs 0: a round is one epoch of T
+    assert fixed.algorithm.local_epochs(data) == (1, 3)
