@@ -305,7 +305,9 @@ def make_algorithm(
     Every process that runs a party of an experiment builds its algorithm here, so the initial
     models are the same wherever it runs (the simulator, a FedML worker, a deployed silo).
     ``factory`` replaces the registry's model (a FedML script's own module:
-    :func:`~fedml_ssfl.models.script.script_model_factory`).
+    :func:`~fedml_ssfl.models.script.script_model_factory`). ``split`` is accepted and not used: with
+    ``train_args.epochs`` each client's steps come from its own data at its update, the server's from
+    ``server``'s labels (:func:`train_settings`).
     """
     factory = factory or model_factory(cfg, info)
     memory_format = cfg.device_args.memory_format
