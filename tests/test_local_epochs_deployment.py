@@ -42,7 +42,7 @@ def test_a_deployment_with_local_epochs_ends_with_the_simulators_model(tmp_path)
     config = export_deployment(sim, tmp_path / "data")
     dep = load_config(config)
     assert dep.comm_args.mode == "deployment" and dep.train_args.epochs == 1  # kept, not turned into steps
-    proc = mpirun(4, [str(CLI), "run", "--cf", str(config)], env=mpi_env())
+    proc = mpirun(4, [str(CLI), "run", "--cf", str(config)], env=mpi_env(), timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     local = run_local(sim, run_dir=tmp_path / "local")
     a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
