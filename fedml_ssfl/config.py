@@ -120,7 +120,7 @@ class TrainArgs:
     client_num_per_round: int = 10  # C_k
     comm_round: int = 30
     local_steps: int = 16  # T
-    epochs: int = 0  # FedML's local epochs; > 0: T = epochs x ceil(mean client samples / batch_size) (fedml_compat)
+    epochs: int = 0  # FedML's local epochs; > 0: each client's T = epochs x ceil(own samples / B) (client_train)
     batch_size: int = 64
     learning_rate: float = 0.03
     momentum: float = 0.9

@@ -148,7 +148,13 @@ class ClientContext:
 
 @dataclass
 class TrainSettings:
-    """The optimisation settings from ``train_args`` that algorithms share."""
+    """The optimisation settings from ``train_args`` that algorithms share.
+
+    ``local_steps`` is T, the steps a party takes per round. With ``epochs`` E > 0 (FedML's local
+    epochs) each party's T is E passes over its own data (:func:`epoch_steps`): the server's in
+    these settings, each client's in the settings its update runs under
+    (:meth:`fedml_ssfl.algorithms.base.Algorithm.client_train`).
+    """
 
     local_steps: int = 16
     batch_size: int = 64
@@ -162,6 +168,15 @@ class TrainSettings:
     lr_floor: float = 1e-4
     num_clients: int = 1  # K (train_args.client_num_in_total)
     idle_clients: bool = False  # train_args.idle_clients: the control where clients send back what they received
+    epochs: int = 0  # train_args.epochs: E local epochs per round (0: every client takes local_steps)
+
+
+def epoch_steps(epochs: int, samples: int, batch_size: int) -> int:
+    """T for ``epochs`` passes over ``samples`` at ``batch_size``: ``E x ceil(n / B)``, at least E.
+
+    A party with no samples still takes E steps (one per epoch), as a party of one batch would.
+    """
+    return epochs * max(1, math.ceil(samples / max(1, batch_size)))
 
 
 class NonFiniteLossError(RuntimeError):

@@ -7,7 +7,6 @@ initial models for the same config.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +20,7 @@ from .algorithms import registry
 from .algorithms.base import Algorithm, ClientData, DataInfo, ServerData, TrainSettings
 from .atomic import atomic_write
 from .config import SCRIPT_DATA, ConfigError, ExperimentConfig, partition_options
+from .contract import epoch_steps
 from .data import ImageDataset, Split, build_split, load_dataset
 from .data.placement import place_dataset, place_images
 from .models import build_model
@@ -226,58 +226,45 @@ def model_factory(cfg: ExperimentConfig, info: ImageDataset | DataInfo):
     return partial(build_model, cfg.model_args.model, **kwargs)
 
 
-def resolve_local_steps(cfg: ExperimentConfig, split: Split | None = None) -> int:
-    """T, the local steps per round: ``train_args.local_steps``, or from FedML's local epochs.
+def resolve_local_steps(cfg: ExperimentConfig, server_samples: int = 0) -> int:
+    """The server's T, its steps per round: ``train_args.local_steps``, or from FedML's local epochs.
 
-    With ``train_args.epochs`` E > 0 (FedML's key; 0 = off), ``T = E x ceil(n / B)``: ``n`` is the
-    mean number of training samples a client holds in ``split`` (labeled + unlabeled, every stage of
-    a streaming split), ``B`` is ``train_args.batch_size``. Every client then takes the same T steps
-    (FedML's own trainer passes over each client's own data); ``local_steps`` is not used.
+    With ``train_args.epochs`` E > 0 (FedML's key; 0 = off), ``T = E x ceil(n / B)`` with ``n`` the
+    server's own labeled samples (``server_samples``) and ``B`` ``train_args.batch_size``: E passes over
+    its own data, as every client's T is over its own (each client's T is resolved from the data it
+    holds, :meth:`fedml_ssfl.algorithms.base.Algorithm.client_train`). It is what an algorithm's server
+    trains where its steps default to ``train_args.local_steps``; ``local_steps`` is then not used.
 
     Parameters
     ----------
     cfg : ExperimentConfig
         The validated config.
-    split : Split, optional
-        The server/client split; needed when ``epochs > 0``.
+    server_samples : int
+        The server's labeled samples (0 on a deployed silo, which never trains the server's side).
 
     Returns
     -------
     int
         T >= 1.
-
-    Raises
-    ------
-    ConfigError
-        ``epochs > 0`` with no split to size the clients' data, naming ``train_args.local_steps``.
     """
     t = cfg.train_args
-    epochs = t.epochs
-    if epochs <= 0:
+    if t.epochs <= 0:
         return t.local_steps
-    sizes = [len(u) + len(lab) for u, lab in zip(split.client_unlabeled, split.client_labeled)] if split else []
-    if not any(sizes):
-        raise ConfigError(
-            f"train_args.epochs: {epochs} local epochs cannot be turned into steps here, where the clients' data "
-            "sizes are not known; set train_args.local_steps (T, the local steps per round) and train_args.epochs: 0"
-        )
-    steps = epochs * max(1, math.ceil(sum(sizes) / len(sizes) / t.batch_size))
-    log.info(
-        "train_args.epochs = %d (FedML's local epochs): T = %d local steps per round (mean %.1f samples per client, "
-        "batch %d); train_args.local_steps is not used",
-        epochs,
-        steps,
-        sum(sizes) / len(sizes),
-        t.batch_size,
-    )
-    return steps
+    return epoch_steps(t.epochs, server_samples, t.batch_size)
 
 
-def train_settings(cfg: ExperimentConfig, split: Split | None = None) -> TrainSettings:
-    """``train_args`` for the algorithm; ``split`` sizes the clients' data for ``epochs`` (resolve_local_steps)."""
+def train_settings(cfg: ExperimentConfig, server_samples: int = 0) -> TrainSettings:
+    """``train_args`` for the algorithm; ``server_samples`` (the server's labels) sizes the server's
+    own T for ``train_args.epochs`` (:func:`resolve_local_steps`)."""
     t = cfg.train_args
+    if t.epochs > 0:
+        log.info(
+            "train_args.epochs = %d (FedML's local epochs): each client takes E x ceil(n_k / B) local steps a round "
+            "over its own data (docs/algorithms.md, Local epochs); train_args.local_steps is not used",
+            t.epochs,
+        )
     return TrainSettings(
-        local_steps=resolve_local_steps(cfg, split),
+        local_steps=resolve_local_steps(cfg, server_samples),
         batch_size=t.batch_size,
         learning_rate=t.learning_rate,
         momentum=t.momentum,
@@ -289,6 +276,7 @@ def train_settings(cfg: ExperimentConfig, split: Split | None = None) -> TrainSe
         lr_floor=t.lr_floor,
         num_clients=t.client_num_in_total,
         idle_clients=t.idle_clients,
+        epochs=max(0, t.epochs),
     )
 
 
@@ -317,7 +305,9 @@ def make_algorithm(
     Every process that runs a party of an experiment builds its algorithm here, so the initial
     models are the same wherever it runs (the simulator, a FedML worker, a deployed silo).
     ``factory`` replaces the registry's model (a FedML script's own module:
-    :func:`~fedml_ssfl.models.script.script_model_factory`).
+    :func:`~fedml_ssfl.models.script.script_model_factory`). ``split`` is accepted and not used: with
+    ``train_args.epochs`` each client's steps come from its own data at its update, the server's from
+    ``server``'s labels (:func:`train_settings`).
     """
     factory = factory or model_factory(cfg, info)
     memory_format = cfg.device_args.memory_format
@@ -341,7 +331,7 @@ def make_algorithm(
         model_fn=model_fn,
         server_data=server,
         data_info=info,
-        train=train_settings(cfg, split),  # the split sizes the clients' data for train_args.epochs
+        train=train_settings(cfg, len(server.labeled_idx)),  # the server's own T for train_args.epochs
         device=device,
         seed=cfg.common_args.random_seed,
     )
@@ -509,7 +499,6 @@ def export_deployment(cfg: ExperimentConfig, out_dir: str | Path, backend: str =
     except SiloDataError as exc:
         raise ConfigError(str(exc)) from exc
     raw = cfg.to_dict()
-    raw["train_args"].update(local_steps=resolve_local_steps(cfg, split), epochs=0)  # the silos' sizes are known here
     raw["common_args"].update(training_type="cross_silo", run_name=f"{cfg.common_args.run_name}_deployment")
     raw["common_args"]["compare_with"] = []
     raw["comm_args"].update(backend=backend, mode="deployment")

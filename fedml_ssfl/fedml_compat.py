@@ -24,9 +24,8 @@ validation (:func:`fedml_ssfl.config.validate`) the raw YAML mapping is translat
   ``enable_*`` switches are off, and refused when one is on;
 * **backends that need FedML's cloud** (MQTT, S3, ...: :data:`ONLINE_BACKENDS`) are refused;
 * ``train_args.epochs`` (FedML's local epochs) is this package's key (``0`` = off): ``epochs > 0``
-  sets T, the local steps per round, to ``epochs x ceil(mean client samples / batch_size)``, resolved
-  where the split is known (:func:`fedml_ssfl.experiment.resolve_local_steps`); it is refused with
-  ``comm_args.mode: deployment``, where no process knows every silo's data size.
+  makes each client's T, its local steps per round, ``epochs`` passes over its own data
+  (:meth:`fedml_ssfl.algorithms.base.Algorithm.client_train`), in every mode, deployment included.
 
 Every other key is left alone, so a key that is neither this package's nor FedML's is still
 refused by validation with the closest valid name.
@@ -270,7 +269,7 @@ def translate(raw: Mapping[str, Any], default_algorithm: str = "") -> Translatio
     ------
     ConfigError
         An alias that disagrees with the key it stands for (naming both), a backend that needs
-        FedML's cloud, ``train_args.epochs`` in deployment mode, or a malformed alias value.
+        FedML's cloud, a negative ``train_args.epochs``, or a malformed alias value.
     """
     out: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
     result = Translation(raw=out)
@@ -396,12 +395,6 @@ def translate(raw: Mapping[str, Any], default_algorithm: str = "") -> Translatio
     if isinstance(epochs, int) and not isinstance(epochs, bool):
         if epochs < 0:
             raise ConfigError(f"train_args.epochs: {epochs} is out of range; it must be >= 0 (0: use local_steps)")
-        if epochs > 0 and comm.get("mode") == "deployment":
-            raise ConfigError(
-                "train_args.epochs: in comm_args.mode deployment no process knows every silo's data size, so local "
-                "epochs cannot be turned into steps; set train_args.local_steps (T, the local steps per round) and "
-                "drop train_args.epochs"
-            )
 
     # partition names
     method = data.get("partition_method")

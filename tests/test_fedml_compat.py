@@ -5,10 +5,8 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 import yaml
 
 from fedml_ssfl import fedml_compat
@@ -187,37 +185,28 @@ def test_worker_num_is_client_num_per_round():
         validate(cross_silo(device_args={"worker_num": 0}))
 
 
-def fake_split(sizes_unlabeled, sizes_labeled):
-    return SimpleNamespace(
-        client_unlabeled=[torch.arange(n) for n in sizes_unlabeled],
-        client_labeled=[torch.arange(n) for n in sizes_labeled],
-    )
-
-
-def test_epochs_become_local_steps_from_the_mean_client_size():
+def test_epochs_set_the_servers_steps_from_its_own_labels():
     from fedml_ssfl.experiment import resolve_local_steps, train_settings
 
     cfg = validate({"train_args": {"epochs": 2, "batch_size": 10, "local_steps": 5}})
-    split = fake_split([40, 61, 50], [0, 0, 9])  # mean 160 / 3 = 53.3 samples
-    assert resolve_local_steps(cfg, split) == 2 * math.ceil(160 / 3 / 10) == 12
-    assert train_settings(cfg, split).local_steps == 12
-    assert resolve_local_steps(validate({"train_args": {"local_steps": 5}}), split) == 5  # epochs 0: local_steps
-    with pytest.raises(ConfigError, match=r"train_args\.local_steps"):  # no split: the size is unknown
-        train_settings(cfg)
+    assert resolve_local_steps(cfg, 53) == 2 * math.ceil(53 / 10) == 12  # E passes over the server's 53 labels
+    assert train_settings(cfg, 53).local_steps == 12 and train_settings(cfg, 53).epochs == 2
+    assert resolve_local_steps(validate({"train_args": {"local_steps": 5}}), 53) == 5  # epochs 0: local_steps
 
 
 def test_epochs_in_a_real_split(small_config):
     from fedml_ssfl.experiment import build_experiment
 
     exp = build_experiment(small_config("train_args.epochs=1", "train_args.batch_size=50"))
-    sizes = [len(u) + len(lab) for u, lab in zip(exp.split.client_unlabeled, exp.split.client_labeled)]
-    assert exp.algorithm.train.local_steps == math.ceil(sum(sizes) / len(sizes) / 50)
+    for k in range(len(exp.split.client_unlabeled)):  # each client its own size (tests/test_local_epochs.py)
+        data = exp.client_data(k, 0)
+        assert exp.algorithm.client_train(data).local_steps == math.ceil(data.num_unlabeled / 50)
 
 
-def test_epochs_are_refused_where_no_process_knows_the_data_sizes():
-    raw = cross_silo(comm_args={"mode": "deployment"}, train_args={"epochs": 1})
-    with pytest.raises(ConfigError, match=r"train_args\.epochs.*deployment.*set train_args\.local_steps"):
-        validate(raw)
+def test_epochs_are_accepted_in_deployment_mode_where_each_silo_knows_its_size():
+    files = {"local_data": "s_{silo}.npz", "server_data": "s.npz", "test_data": "t.npz"}
+    raw = cross_silo(comm_args={"mode": "deployment"}, train_args={"epochs": 1}, data_args=files)
+    assert validate(raw).train_args.epochs == 1
     with pytest.raises(ConfigError, match=r"train_args\.epochs: -1 is out of range"):
         validate({"train_args": {"epochs": -1}})
 

@@ -32,7 +32,9 @@ control, :meth:`Algorithm.idle_reply`) before handing over to the algorithm's ow
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+import dataclasses
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,6 +51,7 @@ from ..contract import (
     ServerData,
     TrainSettings,
     check_finite,
+    epoch_steps,
     message_nbytes,
     tensor_nbytes,
 )
@@ -216,26 +219,74 @@ class Algorithm:
 
     # ---- what a runtime calls for a client ----------------------------------------------------
     def run_client_update(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> Message:
-        """A sampled client's turn: :meth:`client_update`, or under ``train_args.idle_clients`` the
-        idle-client control's :meth:`idle_reply` (the client leaves its data and its state alone)."""
+        """A sampled client's turn: :meth:`client_update` under the client's own settings
+        (:meth:`client_train`), or under ``train_args.idle_clients`` the idle-client control's
+        :meth:`idle_reply` (the client leaves its data and its state alone)."""
         if self.train.idle_clients:
             return self.idle_reply(msg, data, state, ctx)
-        return self.client_update(msg, data, state, ctx)
+        with self.client_settings(data):
+            return self.client_update(msg, data, state, ctx)
 
     def run_client_updates_stacked(
         self, work: dict[int, tuple[Message, ClientData, dict[str, Any]]], ctx: ClientContext, max_stack: int = 0
     ) -> dict[int, Message]:
-        """A round's sampled clients together (:meth:`client_updates_stacked`), or their idle replies."""
+        """A round's sampled clients together (:meth:`client_updates_stacked`), or their idle replies.
+
+        Clients are stacked with those that take the same number of steps (:meth:`client_train`:
+        with ``train_args.epochs`` each client's own T), each group under its own settings, so that
+        every client trains as it would alone; the replies come back in ``work``'s order.
+        """
         if self.train.idle_clients:
             return {k: self.idle_reply(msg, data, state, ctx) for k, (msg, data, state) in work.items()}
-        return self.client_updates_stacked(work, ctx, max_stack)
+        groups: dict[int, dict[int, tuple[Message, ClientData, dict[str, Any]]]] = {}
+        for k, item in work.items():
+            groups.setdefault(self.client_train(item[1]).local_steps, {})[k] = item
+        replies: dict[int, Message] = {}
+        for group in groups.values():
+            with self.client_settings(next(iter(group.values()))[1]):
+                replies.update(self.client_updates_stacked(group, ctx, max_stack))
+        return {k: replies[k] for k in work}
 
     def run_client_receive(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> None:
         """A client not sampled this round receives the round's message (:meth:`broadcasts_to_all`):
-        :meth:`client_receive`; nothing under ``train_args.idle_clients`` (idle clients do no work;
-        the message is still built and counted, so the traffic is the trained run's)."""
+        :meth:`client_receive` under the client's own settings; nothing under
+        ``train_args.idle_clients`` (idle clients do no work; the message is still built and counted,
+        so the traffic is the trained run's)."""
         if not self.train.idle_clients:
-            self.client_receive(msg, data, state, ctx)
+            with self.client_settings(data):
+                self.client_receive(msg, data, state, ctx)
+
+    # ---- a client's local epochs ----------------------------------------------------------
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One local epoch of this client (``train_args.epochs``): (samples it passes over, batch size).
+
+        Default: every sample the client holds, labeled and unlabeled, at ``train_args.batch_size``.
+        Algorithms whose client epoch is over another set or batch (the unlabeled set at B^U, ...)
+        override this; docs/algorithms.md "Local epochs" gives each algorithm's rule.
+        """
+        return data.num_labeled + data.num_unlabeled, self.train.batch_size
+
+    def client_train(self, data: ClientData) -> TrainSettings:
+        """The settings a client's update runs under: :attr:`train`, with ``train_args.epochs`` E > 0
+        its ``local_steps`` set to the client's own T = E x ceil(n / B) (:meth:`epoch_data`: n and B of
+        the data it holds this round). ``epochs: 0``: :attr:`train` itself (every client takes
+        ``train_args.local_steps``)."""
+        if self.train.epochs <= 0:
+            return self.train
+        samples, batch = self.epoch_data(data)
+        return dataclasses.replace(self.train, local_steps=epoch_steps(self.train.epochs, samples, batch))
+
+    @contextmanager
+    def client_settings(self, data: ClientData) -> Iterator[TrainSettings]:
+        """:attr:`train` is the client's own settings (:meth:`client_train`) inside the block: the
+        client code reads ``self.train.local_steps`` (its steps and Eq. 9's schedule position) as its
+        own T. The runtimes' ``run_*`` methods wrap the client side in it."""
+        base = self.train
+        self.train = self.client_train(data)
+        try:
+            yield self.train
+        finally:
+            self.train = base
 
     # ---- client side -------------------------------------------------------------------
     def idle_reply(self, msg: Message, data: ClientData, state: dict[str, Any], ctx: ClientContext) -> Message:

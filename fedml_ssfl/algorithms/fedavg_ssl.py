@@ -246,6 +246,10 @@ class FedAvgSSL(JobAlgorithm):
         return self.broadcast(round_idx)
 
     # ---- client ------------------------------------------------------------------------
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One local epoch: the client's unlabeled set at ``train_args.batch_size`` (the batch a step draws)."""
+        return data.num_unlabeled, self.train.batch_size
+
     def local_job(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> LocalJob | None:
         """T steps of Eq. 6 (CRL) or Eq. 3 (self-training) from the received model, as a job.
 

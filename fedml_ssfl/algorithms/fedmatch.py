@@ -710,6 +710,15 @@ class FedMatch(GlobalModelAlgorithm):
             psi_steps=train_psi,
         )
 
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One local epoch (``train_args.epochs``): the unlabeled set at B^U, the batch each step draws
+        (the authors' code counts a client epoch in unlabeled batches); without unlabeled data, the
+        labeled set at B^S."""
+        cfg, b = self.config, self.train.batch_size
+        if data.num_unlabeled:
+            return data.num_unlabeled, cfg.unlabeled_batch_size or b
+        return data.num_labeled, cfg.labeled_batch_size or b
+
     def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
         job = self.client_job(msg, data, state, ctx)
         if isinstance(job, Message):

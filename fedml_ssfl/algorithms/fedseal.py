@@ -409,6 +409,11 @@ class FedSEAL(JobAlgorithm):
             notes={"metrics": metrics},
         )
 
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One local epoch: the client's unlabeled set at ``train_args.batch_size`` (its positive and
+        negative batches are drawn from it)."""
+        return data.num_unlabeled, self.train.batch_size
+
     def broadcasts_to_all(self) -> bool:
         """Algorithm 1 step 2: "All clients download global model w^t and confidence threshold vector
         tau^t from the server", sampled or not, so every client's self-ensemble folds every round's

@@ -518,13 +518,21 @@ class FedSiam(JobAlgorithm):
         self.window.load_state_dict(state["window"])
 
     # ---- client ----------------------------------------------------------------------------------
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One ``train_args.epochs`` epoch, as ``local_epochs`` counts one: the unlabeled set (the
+        labeled one when it has none) at ``train_args.batch_size``."""
+        return data.num_unlabeled or data.num_labeled, self.train.batch_size
+
     def local_epochs(self, data: ClientData) -> tuple[int, int]:
         """(E, steps per local epoch) this round.
 
         ``local_epochs`` passes over the client's unlabeled data (labeled when it has none), or,
-        with ``local_epochs: null``, one epoch of ``train_args.local_steps`` steps.
+        with ``local_epochs: null``, one epoch of ``train_args.local_steps`` steps (with
+        ``train_args.epochs`` E: E epochs of the client's own ceil(n / B) steps, :meth:`epoch_data`).
         """
         if self.config.local_epochs is None:
+            if self.train.epochs > 0:  # the client's settings (client_train): local_steps = E x per epoch
+                return self.train.epochs, self.train.local_steps // self.train.epochs
             return 1, self.train.local_steps
         n = data.num_unlabeled or data.num_labeled
         return self.config.local_epochs, math.ceil(n / min(self.train.batch_size, n))

@@ -325,6 +325,15 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, step: int) -> tor
     return F.cross_entropy(logits, labels)
 
 
+def ssl_epoch_data(algo: Algorithm, data: ClientData) -> tuple[int, int]:
+    """One local epoch of a FixMatch / UDA client (``train_args.epochs``): its unlabeled set at B^U
+    (``unlabeled_batch_size``), the set a step draws its large batch from (Jeong et al. count an
+    epoch on the unlabeled batch); a client without unlabeled data: its labeled set at B."""
+    if data.num_unlabeled:
+        return data.num_unlabeled, algo.config.unlabeled_batch_size or algo.train.batch_size
+    return data.num_labeled, algo.train.batch_size
+
+
 def ssl_client_job(
     algo: Algorithm,
     data: ClientData,
@@ -425,6 +434,10 @@ class FedSSLBaseline(JobAlgorithm):
 
     def message_for(self, client_id: int, round_idx: int) -> Message:
         return self.broadcast(round_idx)
+
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """:func:`ssl_epoch_data`: the unlabeled set at B^U."""
+        return ssl_epoch_data(self, data)
 
     def local_job(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> LocalJob | None:
         """:func:`ssl_client_job` from the received model (FedProx: anchored to it); None without data."""

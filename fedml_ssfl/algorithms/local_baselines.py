@@ -37,7 +37,7 @@ from torch import nn
 from ..stacked import JobResult, LocalJob, supervised_job
 from ..training import InputPipeline
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
-from .fedssl_baselines import FixMatchConfig, UDAConfig, ssl_client_job
+from .fedssl_baselines import FixMatchConfig, UDAConfig, ssl_client_job, ssl_epoch_data
 from .global_model import client_party
 from .jobs import JobAlgorithm
 from .registry import register_algorithm
@@ -211,6 +211,10 @@ class LocalSL(LocalBaseline):
     def num_train_samples(self, data: ClientData) -> int:
         return int(self._indices(data).numel())
 
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One local epoch: the samples it trains on at ``train_args.batch_size``."""
+        return self.num_train_samples(data), self.train.batch_size
+
     def client_job(self, weights: dict[str, torch.Tensor], data: ClientData, ctx: ClientContext) -> LocalJob:
         pipeline = InputPipeline(self.data_info, ctx.device)
         gen, party = ctx.generator(data.client_id), client_party(data.client_id)
@@ -222,6 +226,10 @@ class _LocalSSL(LocalBaseline):
 
     def num_train_samples(self, data: ClientData) -> int:
         return data.num_labeled + data.num_unlabeled
+
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One local epoch, as the federated baselines' (:func:`ssl_epoch_data`): the unlabeled set at B^U."""
+        return ssl_epoch_data(self, data)
 
     def client_job(self, weights: dict[str, torch.Tensor], data: ClientData, ctx: ClientContext) -> LocalJob:
         return ssl_client_job(self, data, ctx, weights)

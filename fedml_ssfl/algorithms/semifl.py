@@ -539,6 +539,12 @@ class SemiFL(GlobalModelAlgorithm):
         self.fine_tune_momentum = state.get("fine_tune_momentum", {})
 
     # ---- client ----------------------------------------------------------------------------
+    def epoch_data(self, data: ClientData) -> tuple[int, int]:
+        """One ``train_args.epochs`` epoch (with ``local_epochs: null``): the client's unlabeled set
+        at ``train_args.batch_size`` (Algorithm 1's ClientUpdate epochs pass over the client's data,
+        all of it unlabeled)."""
+        return data.num_unlabeled, self.train.batch_size
+
     def client_update(self, msg: Message, data: ClientData, state: dict, ctx: ClientContext) -> Message:
         n = data.num_unlabeled
         if n == 0:
