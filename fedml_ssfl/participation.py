@@ -269,6 +269,17 @@ class Planner:
             replay_source=t.replay_participation,
         )
 
+    @property
+    def plain(self) -> bool:
+        """True when the planner does what a runtime without one does: the seeded C_k, all answering."""
+        return (
+            self.probabilities is None
+            and self.trace is None
+            and self.replay is None
+            and self.over_selection == 0
+            and self.min_clients <= 1
+        )
+
     def available(self, round_idx: int) -> set[int] | None:
         """The clients reachable in ``round_idx`` (None: all)."""
         if self.trace is not None:

@@ -123,7 +123,8 @@ def _run_in(
     status = "completed" if end == rounds else "stopped"
     try:
         for r in range(start, end):
-            row = run_round(exp, r, client_states, planner)
+            # a plain planner is the default sampling: run_round's own (its three-argument call is public)
+            row = run_round(exp, r, client_states) if planner.plain else run_round(exp, r, client_states, planner)
             progress.update(rec.record(r, row, end, client_states))
     except (NonFiniteLossError, ClientStateError) as exc:
         raise rec.fail(exc) from exc
