@@ -97,6 +97,17 @@ def test_trace_and_participation_files_are_checked_naming_the_key_and_line(tmp_p
     bad = {"round": 1, "asked": [0], "answered": [0, 1], "aggregated": []}
     with pytest.raises(ConfigError, match="'answered' names clients that were not asked"):
         Participation.from_json(bad, "here", 4)
+    short = Planner(0, 4, 2, replay={0: Participation(0, [0, 1], [0, 1], [0, 1])}, replay_source="p.jsonl")
+    assert short.plan(0).aggregated == [0, 1]
+    with pytest.raises(ConfigError, match="train_args.replay_participation: p.jsonl has no line for round 2"):
+        short.plan(1)
+
+
+def test_a_missing_replay_file_is_refused_naming_the_key_and_leaves_no_folder(small_config, tmp_path):
+    cfg = small_config(f"train_args.replay_participation={tmp_path / 'nowhere.jsonl'}")
+    with pytest.raises(ConfigError, match=r"train_args.replay_participation: cannot read .*nowhere.jsonl"):
+        run_local(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_participation_keys_are_checked(small_config):
