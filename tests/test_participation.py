@@ -117,6 +117,8 @@ def test_participation_keys_are_checked(small_config):
         small_config("train_args.min_clients=5")
     with pytest.raises(ConfigError, match="train_args.replay_participation"):
         small_config("train_args.replay_participation=x.jsonl", "train_args.availability=0.5")
+    with pytest.raises(ConfigError, match="train_args.over_selection: only the local simulator"):
+        small_config("comm_args.backend=MPI", "common_args.training_type=cross_silo", "train_args.over_selection=0.5")
 
 
 # ---- whole runs --------------------------------------------------------------------------------------
@@ -372,6 +374,10 @@ def test_a_client_away_for_rounds_keeps_its_state_untouched_and_a_late_one_start
     run_round(exp, 4, states, planner)  # back: it trains from the state it kept
     if kept:
         assert not _same(states[0], kept), "client 0 trained in round 5 but its state did not move"
+    # counters count the client's own rounds (FedSiam's user_epoch), an ensemble the models it received (FedSEAL)
+    for counter in ("participations", "ensemble_count"):
+        if counter in kept:
+            assert states[0][counter] == kept[counter] + 1, counter
 
 
 def _same(a, b):
