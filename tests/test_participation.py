@@ -416,3 +416,27 @@ def test_fedseal_an_unreachable_client_does_not_fold_the_broadcast(small_config,
     assert not_asked, "client 0 was asked in every round away: the broadcast path was not exercised"
     assert_same_state(states[0], kept, "client 0")
     assert states[2].get("ensemble_count", 0) >= 2  # a reachable client not asked still folds it
+
+
+def test_the_fedml_runtime_records_the_same_participation_and_its_replay_ends_with_its_model(small_config, tmp_path):
+    """Both runtimes write participation.jsonl through the one recorder; replaying a FedML run's record in
+    the simulator ends with that run's model (FedSEAL: the broadcast's listeners are recorded and replayed)."""
+    from tests.test_fedml_backend import FEDSEAL, run_protocol
+
+    cfg = small_config(*FEDSEAL, "train_args.comm_round=2", "train_args.local_steps=1")
+    local = run_local(cfg, run_dir=tmp_path / "local")
+    fed, _, _ = run_protocol(cfg, tmp_path / "fed")
+    rec = lines(fed.run_dir)
+    assert rec == lines(local.run_dir)
+    assert all(x["listeners"] == sorted(set(range(4)) - set(x["asked"])) for x in rec)
+    replay = small_config(
+        *FEDSEAL,
+        "train_args.comm_round=2",
+        "train_args.local_steps=1",
+        f"train_args.replay_participation={tmp_path / 'fed' / 'participation.jsonl'}",
+    )
+    run_local(replay, run_dir=tmp_path / "replay")
+    a = load_checkpoint(tmp_path / "fed" / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "replay" / "checkpoints" / "last.pt")
+    assert_same_state(a["algorithm"], b["algorithm"], "algorithm")
+    assert_same_state(a["client_states"], b["client_states"], "client_states")
