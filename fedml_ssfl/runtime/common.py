@@ -3,13 +3,14 @@
 The local simulator (:mod:`.local`) and the FedML runtime (:mod:`.fedml`) drive a round
 the same way:
 
-1. :func:`start_round` -- the seeded sampler picks the C_k clients, the server takes its own
-   step, and one message per chosen client is built (bytes counted by ``message_nbytes``);
+1. :func:`start_round` -- the round's participation is planned (the seeded sampler's C_k clients,
+   or the simulator's availability model or replay: :mod:`..participation`), the server takes its
+   own step, and one message per client that answers is built (bytes counted by ``message_nbytes``);
 2. the clients update (in this process, or in FedML worker processes);
-3. :func:`finish_round` -- the algorithm aggregates the replies and the round's metrics row is
-   built;
+3. :func:`finish_round` -- the algorithm aggregates the replies the round keeps, in the
+   participation's order, and the round's metrics row is built;
 4. :meth:`RunRecorder.record` -- ``finalize`` after the last round, evaluation, metrics.jsonl /
-   TensorBoard, and an atomic checkpoint.
+   TensorBoard, participation.jsonl, and an atomic checkpoint.
 
 Keeping these pieces in one place is what makes the two runtimes end with the same model and
 the same outputs for the same config.
