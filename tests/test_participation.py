@@ -440,3 +440,12 @@ def test_the_fedml_runtime_records_the_same_participation_and_its_replay_ends_wi
     b = load_checkpoint(tmp_path / "replay" / "checkpoints" / "last.pt")
     assert_same_state(a["algorithm"], b["algorithm"], "algorithm")
     assert_same_state(a["client_states"], b["client_states"], "client_states")
+
+
+def test_run_replay_flag_sets_the_replay_key(capsys):
+    from fedml_ssfl.cli import main
+    from tests.conftest import SMALL
+
+    args = [x for item in SMALL for x in ("--set", item)]
+    assert main(["run", *args, "--replay", "runs/a/participation.jsonl", "--print-config"]) == 0
+    assert "replay_participation: runs/a/participation.jsonl" in capsys.readouterr().out
