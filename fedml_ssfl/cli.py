@@ -177,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="stop after round N in all (a checkpoint is written there); continue later with --resume",
     )
+    run.add_argument(
+        "--replay",
+        default=None,
+        metavar="PARTICIPATION_FILE",
+        help="the simulator follows a recorded participation.jsonl exactly (train_args.replay_participation)",
+    )
     run.add_argument("--no-compare", action="store_true", help="skip the baselines in common_args.compare_with")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     run.add_argument("--rank", type=int, default=None, help="FedML GRPC: this process's rank (0 = server)")
@@ -337,7 +343,8 @@ def _fedml_launch_flags(args: argparse.Namespace, cfg: ExperimentConfig) -> None
 def cmd_run(args: argparse.Namespace) -> int:
     from .runtime.local import run_local
 
-    cfg = load_config(_config_path(args), args.overrides)
+    replay = [f"train_args.replay_participation={args.replay}"] if args.replay else []
+    cfg = load_config(_config_path(args), [*args.overrides, *replay])
     _fedml_launch_flags(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")

@@ -137,6 +137,15 @@ class TrainArgs:
     # the idle-client control: every sampled client sends back the model it received (no local work, its state
     # untouched); the server's path, rounds, seeds and traffic accounting are the trained run's
     idle_clients: bool = False
+    # participation (fedml_ssfl.participation; the simulator only): the probability each client is reachable in a
+    # round (one for all, or one per client), or a trace file of the reachable clients per round; ask
+    # ceil(C_k (1 + over_selection)) clients and keep the first C_k replies; a round with fewer than min_clients
+    # replies to keep is skipped; replay_participation: follow a recorded participation.jsonl exactly
+    availability: float | list[float] = 1.0
+    availability_trace: str = ""
+    over_selection: float = 0.0
+    min_clients: int = 1
+    replay_participation: str = ""
 
 
 @dataclass
@@ -310,6 +319,8 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("train_args.lr_warmup_rounds", 0, MAX_ROUNDS, True),
     ("train_args.lr_floor", 0.0, 1.0, True),
     ("train_args.stack_size", 0, MAX_CLIENTS, True),
+    ("train_args.over_selection", 0.0, MAX_FACTOR, True),
+    ("train_args.min_clients", 1, MAX_CLIENTS, True),
     ("validation_args.frequency_of_the_test", 1, MAX_ROUNDS, True),
     ("validation_args.eval_batch_size", 1, MAX_BATCH_SIZE, True),
     ("tracking_args.checkpoint_every", 1, MAX_ROUNDS, True),
@@ -535,8 +546,51 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
     _check_partition(cfg.data_args)
     _check_normalisation(cfg.data_args)
     _warn_deployment_keys_ignored(cfg)
+    _check_participation(cfg)
     if cfg.comm_args.mode == "deployment":
         _check_deployment(cfg)
+
+
+def _check_participation(cfg: ExperimentConfig) -> None:
+    """The participation keys (:mod:`fedml_ssfl.participation`): values in range, one source, the simulator only."""
+    t = cfg.train_args
+    probs = t.availability if isinstance(t.availability, list) else [t.availability]
+    if not probs or len(probs) not in (1, t.client_num_in_total) or not all(0.0 <= p <= 1.0 for p in probs):
+        raise ConfigError(
+            f"train_args.availability: {_short(t.availability)} must be one probability in [0, 1], or a list of one "
+            f"per client (K={t.client_num_in_total})"
+        )
+    if t.min_clients > t.client_num_per_round:
+        raise ConfigError(
+            f"train_args.min_clients ({t.min_clients}) is larger than train_args.client_num_per_round "
+            f"(C_k={t.client_num_per_round}): no round could be held; set min_clients <= C_k"
+        )
+    model = any(p < 1.0 for p in probs) or t.availability_trace
+    if t.availability_trace and any(p < 1.0 for p in probs):
+        raise ConfigError(
+            "train_args.availability and train_args.availability_trace both say who is reachable: keep one"
+        )
+    if t.replay_participation and (model or t.over_selection > 0):
+        raise ConfigError(
+            "train_args.replay_participation follows a recorded participation: remove train_args.availability, "
+            "availability_trace and over_selection"
+        )
+    used = [
+        key
+        for key, on in (
+            ("availability", any(p < 1.0 for p in probs)),
+            ("availability_trace", bool(t.availability_trace)),
+            ("over_selection", t.over_selection > 0),
+            ("min_clients", t.min_clients > 1),
+            ("replay_participation", bool(t.replay_participation)),
+        )
+        if on
+    ]
+    if used and cfg.comm_args.backend != "local":
+        raise ConfigError(
+            f"train_args.{used[0]}: only the local simulator draws or replays participation so far, not "
+            f"comm_args.backend '{cfg.comm_args.backend}'; remove the key, or run with comm_args.backend local"
+        )
 
 
 def _check_deployment(cfg: ExperimentConfig) -> None:

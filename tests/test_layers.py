@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "fedml_ssfl.aggregation",
             "fedml_ssfl.sparse",
             "fedml_ssfl.sampling",
+            "fedml_ssfl.participation",
             "fedml_ssfl.helper_selection",
             "fedml_ssfl.client_state",
         ),

@@ -3,13 +3,14 @@
 The local simulator (:mod:`.local`) and the FedML runtime (:mod:`.fedml`) drive a round
 the same way:
 
-1. :func:`start_round` -- the seeded sampler picks the C_k clients, the server takes its own
-   step, and one message per chosen client is built (bytes counted by ``message_nbytes``);
+1. :func:`start_round` -- the round's participation is planned (the seeded sampler's C_k clients,
+   or the simulator's availability model or replay: :mod:`..participation`), the server takes its
+   own step, and one message per client that answers is built (bytes counted by ``message_nbytes``);
 2. the clients update (in this process, or in FedML worker processes);
-3. :func:`finish_round` -- the algorithm aggregates the replies and the round's metrics row is
-   built;
+3. :func:`finish_round` -- the algorithm aggregates the replies the round keeps, in the
+   participation's order, and the round's metrics row is built;
 4. :meth:`RunRecorder.record` -- ``finalize`` after the last round, evaluation, metrics.jsonl /
-   TensorBoard, and an atomic checkpoint.
+   TensorBoard, participation.jsonl, and an atomic checkpoint.
 
 Keeping these pieces in one place is what makes the two runtimes end with the same model and
 the same outputs for the same config.
@@ -18,6 +19,7 @@ the same outputs for the same config.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -33,7 +35,7 @@ from typing import IO, Any
 from .. import seeding
 from ..algorithms.base import Algorithm, ClientContext, Message, message_nbytes
 from ..algorithms.registry import get_algorithm
-from ..atomic import folder_error, make_folder
+from ..atomic import atomic_write, folder_error, make_folder, naming
 from ..checkpoint import CheckpointError, save_checkpoint
 from ..client_state import (
     FILES_KEY,
@@ -48,8 +50,9 @@ from ..client_state import (
 from ..config import ConfigError, ExperimentConfig, save_config
 from ..experiment import Experiment, deployed
 from ..metrics import evaluate
+from ..participation import FILE_NAME as PARTICIPATION_FILE
+from ..participation import Participation, Planner, plan_round
 from ..report import format_duration
-from ..sampling import sample_clients
 from ..tracking import RunTracker, run_description, write_summary
 from ..training import cosine_lr
 from .folder_lock import LOCK_NAME, FolderLock, lock_folder
@@ -383,9 +386,11 @@ def server_records_payload(
 class RoundStart:
     """The server's first half of a round: who takes part and what each is sent.
 
+    ``chosen``: the clients that train this round (sorted; the participation's ``answered``).
     ``listeners``: for an algorithm that :meth:`~..algorithms.base.Algorithm.broadcasts_to_all`, the
-    message each client *not* sampled receives this round (empty otherwise); counted in
-    ``bytes_down`` like the sampled clients' messages.
+    message each reachable client *not* asked receives this round (empty otherwise); counted in
+    ``bytes_down`` like the chosen clients' messages. ``participation``: the round's record
+    (:class:`~..participation.Participation`); a skipped round has no messages and no server step.
     """
 
     round_idx: int
@@ -394,30 +399,41 @@ class RoundStart:
     bytes_down: int
     t0: float
     listeners: dict[int, Message] = field(default_factory=dict)
+    participation: Participation | None = None
 
 
-def start_round(exp: Experiment, r: int) -> RoundStart:
-    """Sample the round's clients, run the server step, build one message per chosen client (and,
-    when the algorithm broadcasts to all, one per other client)."""
+def start_round(exp: Experiment, r: int, planner: Planner | None = None) -> RoundStart:
+    """Plan the round's participation, run the server step, build one message per client that trains
+    (and, when the algorithm broadcasts to all, one per reachable client not asked).
+
+    ``planner``: where the participation comes from (the simulator's availability model or replay,
+    :class:`~..participation.Planner`); default: the seeded sampler's C_k clients, all answering. A
+    round the plan skips runs no server step and sends nothing.
+    """
     cfg, algo = exp.config, exp.algorithm
     t0 = time.perf_counter()
-    chosen = sample_clients(
-        cfg.common_args.random_seed,
-        r,
-        cfg.train_args.client_num_in_total,
-        cfg.train_args.client_num_per_round,
-    )
+    broadcast = algo.broadcasts_to_all()
+    if planner is None:
+        plan = plan_round(
+            cfg.common_args.random_seed,
+            r,
+            cfg.train_args.client_num_in_total,
+            cfg.train_args.client_num_per_round,
+            broadcast=broadcast,
+        )
+    else:
+        plan = planner.plan(r, broadcast)
+    chosen = sorted(plan.answered)
+    if plan.skipped:
+        return RoundStart(round_idx=r, chosen=[], messages={}, bytes_down=0, t0=t0, participation=plan)
     with seeding.global_stream(cfg.common_args.random_seed, "server", r, device=exp.device):
         algo.server_step(r)
         messages = {k: algo.message_for(k, r) for k in chosen}
-        listeners = {}
-        if algo.broadcasts_to_all():
-            sampled = set(chosen)
-            listeners = {
-                k: algo.message_for(k, r) for k in range(cfg.train_args.client_num_in_total) if k not in sampled
-            }
+        listeners = {k: algo.message_for(k, r) for k in sorted(plan.listeners)} if broadcast else {}
     down = sum(message_nbytes(m) for m in (*messages.values(), *listeners.values()))
-    return RoundStart(round_idx=r, chosen=chosen, messages=messages, bytes_down=down, t0=t0, listeners=listeners)
+    return RoundStart(
+        round_idx=r, chosen=chosen, messages=messages, bytes_down=down, t0=t0, listeners=listeners, participation=plan
+    )
 
 
 def deliver_to_listeners(
@@ -440,24 +456,35 @@ def deliver_to_listeners(
 def finish_round(
     exp: Experiment, start: RoundStart, replies: dict[int, Message], bytes_up: int, **extra: Any
 ) -> dict[str, Any]:
-    """Aggregate the replies; return the round's metrics row (without test accuracy).
+    """Aggregate the replies the round keeps; return the round's metrics row (without test accuracy).
 
-    ``extra`` entries (e.g. a runtime's transport counters) go into the row before ``seconds``.
+    The replies folded are those of the participation's ``aggregated`` clients, in that order (a reply
+    that came too late under over-selection is counted in ``bytes_up`` but not folded); a skipped round
+    aggregates nothing. The row carries the round's participation under ``"participation"``, which
+    :meth:`RunRecorder.record` takes out and writes to ``participation.jsonl``. ``extra`` entries
+    (e.g. a runtime's transport counters) go into the row before ``seconds``.
     """
     algo, r = exp.algorithm, start.round_idx
-    with seeding.global_stream(exp.config.common_args.random_seed, "aggregate", r, device=exp.device):
-        metrics = algo.aggregate(replies, r)
+    plan = start.participation
+    if plan is None:  # a RoundStart built by hand: every reply counts, in client order
+        plan = Participation(r, sorted(replies), sorted(replies), sorted(replies))
+    kept = {k: replies[k] for k in plan.aggregated if k in replies}
+    metrics: dict[str, Any] = {}
+    if not plan.skipped:
+        with seeding.global_stream(exp.config.common_args.random_seed, "aggregate", r, device=exp.device):
+            metrics = algo.aggregate(kept, r)
     train = algo.train
     return {
         "round": r + 1,  # 1-based, as in the plots and TensorBoard (round 1 is the first)
-        "clients": len(start.chosen),
+        "clients": len(kept),
         "bytes_up": bytes_up,
         "bytes_down": start.bytes_down,
         "lr": cosine_lr(train, r * train.local_steps),
-        **mean_client_metrics(replies),
+        **mean_client_metrics(kept),
         **metrics,
         **extra,
         "seconds": time.perf_counter() - start.t0,
+        "participation": plan.to_json(),
     }
 
 
@@ -558,6 +585,25 @@ class RoundProgress:
 # a run's outputs
 
 
+def keep_participation_lines(path: Path, rounds: int) -> None:
+    """Keep the ``participation.jsonl`` lines of rounds ``1..rounds`` only (0: start it empty), atomically.
+
+    A resumed run continues after its checkpoint's round: the lines of rounds a stopped or killed
+    session recorded after that checkpoint are dropped, so that each round is written exactly once.
+    """
+    kept = []
+    if rounds > 0 and path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                n = json.loads(line).get("round")
+            except (ValueError, AttributeError):
+                continue  # a line a killed write left unfinished
+            if isinstance(n, int) and 1 <= n <= rounds:
+                kept.append(line + "\n")
+    text = "".join(kept).encode("utf-8")
+    atomic_write(path, lambda fh: fh.write(text))
+
+
 class RunRecorder:
     """Evaluation, metrics.jsonl / TensorBoard, checkpoints and summary.json for one run.
 
@@ -607,6 +653,8 @@ class RunRecorder:
                 resume_after=self.start if resume_state is not None else None,
             )
             self.tracker.log_config(cfg.to_dict())
+            self.participation_path = self.run_dir / PARTICIPATION_FILE
+            keep_participation_lines(self.participation_path, self.start if resume_state is not None else 0)
         except OSError as exc:
             self._close_records()
             raise self.write_failed("at the start of the run", exc) from None
@@ -622,6 +670,7 @@ class RunRecorder:
         Returns the test accuracy when the round was evaluated, else None.
         """
         cfg, algo = self.cfg, self.exp.algorithm
+        participation = row.pop("participation", None)  # finish_round's record of who took part
         for k in self.totals:
             self.totals[k] += row.get(k, 0)
         if r == cfg.train_args.comm_round - 1:
@@ -650,6 +699,9 @@ class RunRecorder:
         try:
             self._check_run_dir()
             self.tracker.log_round(row)
+            if participation is not None:
+                with naming(self.participation_path), self.participation_path.open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(participation) + "\n")
             if is_checkpoint_round(cfg, r, end):
                 states_dir = self.ckpt_path.parent / STATES_DIR
                 states = client_state_payload(client_states, states_dir)  # spilled states: files in states_dir

@@ -27,6 +27,7 @@ from ..client_state import ClientStateError, close_client_states
 from ..config import ExperimentConfig
 from ..data import ImageDataset
 from ..experiment import Experiment, build_experiment
+from ..participation import Planner
 from .common import (
     CHECKPOINT_NAME,
     RoundProgress,
@@ -102,6 +103,7 @@ def _run_in(
     ckpt_path = run_dir / "checkpoints" / CHECKPOINT_NAME
     state = load_checkpoint(ckpt_path, cfg.fingerprint(), cfg.to_dict()) if resume else None
 
+    planner = Planner.from_config(cfg)  # reads an availability trace or a replayed participation.jsonl
     exp = build_experiment(cfg, dataset)
     algo = exp.algorithm
     algo.setup()
@@ -121,7 +123,8 @@ def _run_in(
     status = "completed" if end == rounds else "stopped"
     try:
         for r in range(start, end):
-            row = run_round(exp, r, client_states)
+            # a plain planner is the default sampling: run_round's own (its three-argument call is public)
+            row = run_round(exp, r, client_states) if planner.plain else run_round(exp, r, client_states, planner)
             progress.update(rec.record(r, row, end, client_states))
     except (NonFiniteLossError, ClientStateError) as exc:
         raise rec.fail(exc) from exc
@@ -132,16 +135,20 @@ def _run_in(
     return rec.result(status, runtime="local")
 
 
-def run_round(exp: Experiment, r: int, client_states: MutableMapping[int, dict]) -> dict[str, Any]:
+def run_round(
+    exp: Experiment, r: int, client_states: MutableMapping[int, dict], planner: Planner | None = None
+) -> dict[str, Any]:
     """One federated round; returns its metrics row (without test accuracy).
 
-    The chosen clients train one after another, or together (``train_args.stack_clients``:
-    :meth:`~fedml_ssfl.algorithms.base.Algorithm.client_updates_stacked`).
+    ``planner`` says who takes part (:class:`~fedml_ssfl.participation.Planner`; default: the seeded
+    sampler's C_k clients). The clients that answer train one after another, or together
+    (``train_args.stack_clients``: :meth:`~fedml_ssfl.algorithms.base.Algorithm.client_updates_stacked`);
+    a client that is not reachable this round is left alone, its state untouched.
     """
     cfg, algo = exp.config, exp.algorithm
-    start = start_round(exp, r)
+    start = start_round(exp, r, planner)
     ctx = ClientContext(round_idx=r, device=exp.device, seed=cfg.common_args.random_seed)
-    if cfg.train_args.stack_clients:
+    if cfg.train_args.stack_clients and start.chosen:
         work = {k: (start.messages[k], exp.client_data(k, r), client_states[k]) for k in start.chosen}
         with seeding.global_stream(ctx.seed, "client", r, "stacked", device=exp.device):
             replies = algo.run_client_updates_stacked(work, ctx, cfg.train_args.stack_size)
