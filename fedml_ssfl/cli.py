@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import __version__, envvars
 from .config import ConfigError, ExperimentConfig, load_config
-from .errors import PROG, error_line
+from .errors import PROG, error_line, error_lines
 
 log = logging.getLogger("fedml_ssfl")
 
@@ -337,7 +337,7 @@ def _fedml_launch_flags(args: argparse.Namespace, cfg: ExperimentConfig) -> None
 def cmd_run(args: argparse.Namespace) -> int:
     from .runtime.local import run_local
 
-    cfg = load_config(_config_path(args), args.overrides)
+    cfg = load_config(_config_path(args), args.overrides, check_names=True)
     _fedml_launch_flags(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")
@@ -533,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, CheckpointError, RunFailed, FileNotFoundError) as exc:
-        print(error_line(str(exc)), file=sys.stderr)
+        for line in error_lines(exc):  # a config's problems, all of them: one line each
+            print(line, file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     except OSError as exc:  # a file the command could not read or write: a full disk, a permission
         if args.debug:
