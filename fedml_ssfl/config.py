@@ -695,7 +695,7 @@ def _name_problems(cfg: ExperimentConfig) -> list[str]:
     try:
         model_spec(cfg.model_args.model)
     except ValueError as exc:
-        problems.append(f"model_args.model: {exc}")
+        problems.append(f"model_args.model: {str(exc).replace(' (model_args.model)', '')}")
     if cfg.comm_args.mode != "deployment" and cfg.data_args.dataset not in available_datasets():
         names = available_datasets()
         close = difflib.get_close_matches(cfg.data_args.dataset, names, n=1, cutoff=0.5)

@@ -711,7 +711,7 @@ def _worker_num(device: dict[str, Any], train: dict[str, Any], comm: dict[str, A
         )
     elif given != workers:
         result.errors.append(
-            f"device_args.worker_num ({workers}) is more than train_args.client_num_per_round ({given!r}): FedML's "
+            f"device_args.worker_num: {workers} is more than train_args.client_num_per_round ({given!r}): FedML's "
             "worker_num counts the worker processes, and each serves at least one of the round's C_k silos; set "
             "worker_num <= client_num_per_round"
         )

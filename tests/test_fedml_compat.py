@@ -181,7 +181,7 @@ def test_worker_num_is_client_num_per_round():
     assert cfg.train_args.client_num_per_round == 3
     same = validate(cross_silo(train_args={"client_num_per_round": 3}, device_args={"worker_num": 3}))
     assert same.train_args.client_num_per_round == 3
-    more = r"device_args\.worker_num \(4\) is more than train_args\.client_num_per_round \(3\)"
+    more = r"device_args\.worker_num: 4 is more than train_args\.client_num_per_round \(3\)"
     with pytest.raises(ConfigError, match=more):
         validate(cross_silo(train_args={"client_num_per_round": 3}, device_args={"worker_num": 4}))
     with pytest.raises(ConfigError, match=r"device_args\.worker_num: expected an integer >= 1"):
