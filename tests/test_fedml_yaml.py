@@ -134,3 +134,43 @@ def test_fewer_workers_than_silos_serve_several_each_and_end_with_the_simulators
         assert torch.equal(v, b["algorithm"]["global_state"][k]), k
     assert [r["test_acc"] for r in rows(local.run_dir)] == [r["test_acc"] for r in rows(fed.run_dir)]
     assert json.loads((fed.run_dir / "summary.json").read_text())["workers"] == 2
+
+
+def test_fedmls_mpi_simulation_example_with_fewer_workers_than_silos_runs_under_mpirun(tmp_path):
+    """FedML's FedAvg_seq example (worker_num 4 < client_num_per_round 20), shrunk by --set to two workers for
+    five silos a round on tiny data: three processes, ending with the in-process simulator's model."""
+    mpi = pytest.importorskip("tests.test_fedml_mpi")
+    from fedml_ssfl.runtime.fedml.launch import world_size
+
+    path = EXAMPLES / "simulation_mpi_fedavg_seq_custom.yaml"
+    sets = [
+        "data_args.dataset=digits",
+        "data_args.num_server_labels=50",
+        "model_args.model=cnn28",
+        "model_args.norm=gn",
+        "train_args.client_num_in_total=6",
+        "train_args.client_num_per_round=5",
+        "device_args.worker_num=2",
+        "device_args.device=cpu",
+        "device_args.num_threads=1",
+        "train_args.comm_round=2",
+        "train_args.epochs=0",
+        "train_args.local_steps=2",
+        "train_args.batch_size=16",
+        "common_args.compare_with=[]",
+        "common_args.run_name=fedml_seq",
+        f"common_args.output_dir={tmp_path / 'runs'}",
+        "tracking_args.progress_bar=false",
+        "tracking_args.enable_tensorboard=false",
+    ]
+    cfg = load_config(path, sets)
+    assert world_size(cfg) == 3 and cfg.train_args.client_num_per_round == 5
+    options = [x for s in sets for x in ("--set", s)]
+    proc = mpi.mpirun(3, [str(mpi.CLI), "run", "--cf", str(path), *options])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    local = run_local(mpi.local_twin(cfg), run_dir=tmp_path / "local")
+    a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    b = load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["workers"] == 2
