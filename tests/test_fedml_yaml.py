@@ -174,3 +174,20 @@ def test_fedmls_mpi_simulation_example_with_fewer_workers_than_silos_runs_under_
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     summary = json.loads((cfg.run_dir() / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["workers"] == 2
+
+
+def test_a_batch_crosses_the_wire_and_a_malformed_one_is_refused():
+    from fedml_ssfl.runtime.fedml import protocol
+    from tests.test_fedml_backend import wire
+
+    task = protocol.Task(3, 1, 2, more=[protocol.Task(3, 4, 2), protocol.Task(3, 5, 2)])
+    back = wire(task)
+    assert [t.silo for t in back.more] == [4, 5] and back.more[0].rank == 2
+    for bad in (
+        [protocol.Reply(3, 4, 1)],  # another rank
+        [protocol.Reply(3, 1, 2)],  # the head's silo again
+        [protocol.Reply(2, 4, 2)],  # another round
+        [protocol.Reply(3, 4, 2, more=[protocol.Reply(3, 5, 2)])],  # nested
+    ):
+        with pytest.raises(ValueError, match=r"Reply\.more"):
+            protocol.build("Reply", protocol.fields_of(protocol.Reply(3, 1, 2, more=bad)))
