@@ -4,7 +4,7 @@
 #   deploy/run_mpi.sh CONFIG [--hostfile FILE] [--gpu-mapping FILE --gpu-key KEY]
 #                            [--set section.key=value ...] [--resume RUN_DIR] [-- MPIRUN_ARGS...]
 #
-# -np is computed from the config: C_k + 1 (train_args.client_num_per_round workers + the server), or
+# -np is computed from the config: C_k + 1 (train_args.client_num_per_round workers + the server; device_args.worker_num + 1 when it is below C_k), or
 # K + 1 in comm_args.mode deployment (one process per silo + the server).
 # --hostfile        an Open MPI hostfile (see deploy/hostfile.example); ranks fill hosts in order.
 # --gpu-mapping/--gpu-key

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import __version__, envvars
 from .config import ConfigError, ExperimentConfig, load_config
-from .errors import PROG, error_line
+from .errors import PROG, error_line, error_lines
 
 log = logging.getLogger("fedml_ssfl")
 
@@ -344,7 +344,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runtime.local import run_local
 
     replay = [f"train_args.replay_participation={args.replay}"] if args.replay else []
-    cfg = load_config(_config_path(args), [*args.overrides, *replay])
+    cfg = load_config(_config_path(args), [*args.overrides, *replay], check_names=True)
     _fedml_launch_flags(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")
@@ -541,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         envvars.check_all()  # a bad variable is refused now, not once the data has loaded
         return COMMANDS[args.command](args)
     except (ConfigError, CheckpointError, RunFailed, FileNotFoundError) as exc:
-        print(error_line(str(exc)), file=sys.stderr)
+        for line in error_lines(exc):  # a config's problems, all of them: one line each
+            print(line, file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     except OSError as exc:  # a file the command could not read or write: a full disk, a permission
         if args.debug:

@@ -167,6 +167,9 @@ class DeviceArgs:
     gpu_mapping_file: str = ""
     gpu_mapping_key: str = ""
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    # FedML's worker processes of a simulation-mode FedML job (0: C_k, one silo each); fewer than C_k serve
+    # several silos each a round, as FedML's MPI simulation (fedml_compat). Not in the fingerprint: same results
+    worker_num: int = 0
     # MiB of per-client state kept in memory (0: no limit); the least recently used states beyond it are
     # written to disk and read back exactly (docs/performance.md, "Client state at scale"). FedMatch's
     # server records per client (views, client_psi) share it: a third each with the client states; a pooled
@@ -326,6 +329,7 @@ RANGES: list[tuple[str, float, float | None, bool]] = [
     ("tracking_args.checkpoint_every", 1, MAX_ROUNDS, True),
     ("device_args.num_threads", 0, MAX_THREADS, True),
     ("device_args.gpu_id", 0, MAX_GPU_ID, True),
+    ("device_args.worker_num", 0, MAX_CLIENTS, True),
     ("device_args.state_memory_mb", 0.0, MAX_STATE_MB, True),
 ]
 
@@ -339,7 +343,7 @@ DEPLOYMENT_DATASETS = {"files": "silo_files", "script": "script_data"}
 """``data_args.dataset`` of a deployment config that names none: the run is named and labelled after
 the data it actually reads (the silos' files, or a FedML script's list), never a shipped dataset."""
 
-RESOURCE_KEYS = ("state_memory_mb", "state_spill_dir", "data_on_device")
+RESOURCE_KEYS = ("state_memory_mb", "state_spill_dir", "data_on_device", "worker_num")
 """``device_args`` keys that say how to use the machine's memory and disk (and the device's), not what is
 computed: left out of :meth:`ExperimentConfig.fingerprint`, so a run resumes under another value."""
 
@@ -479,28 +483,43 @@ def coerce_value(where: str, value: Any, tp: Any) -> Any:
     return value
 
 
-def build_dataclass(cls: type, raw: dict[str, Any], where: str) -> Any:
-    """Build dataclass ``cls`` from ``raw``, refusing unknown keys and wrong types."""
+def build_dataclass(cls: type, raw: dict[str, Any], where: str, problems: list[str] | None = None) -> Any:
+    """Build dataclass ``cls`` from ``raw``, refusing unknown keys and wrong types.
+
+    With ``problems``, every bad key is added to it (one line each) and left at its default; else the first
+    is raised.
+    """
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {raw!r}")
+        error = ConfigError(f"{where}: expected a mapping of keys, got {raw!r}")
+        if problems is None:
+            raise error
+        problems.append(str(error))
+        return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
-        if key not in names:
-            raise ConfigError(f"unknown key '{where}.{key}'{_closest(str(key), names)}")
-        kwargs[key] = coerce_value(f"{where}.{key}", value, hints[key])
+        try:
+            if key not in names:
+                raise ConfigError(f"unknown key '{where}.{key}'{_closest(str(key), names)}")
+            kwargs[key] = coerce_value(f"{where}.{key}", value, hints[key])
+        except ConfigError as exc:
+            if problems is None:
+                raise
+            problems.extend(exc.problems)
     return cls(**kwargs)
 
 
-def _check_ranges(cfg: ExperimentConfig) -> None:
+def _value_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every value outside its :data:`CHOICES` or :data:`RANGES`, one line each."""
+    problems = []
     for dotted, allowed in CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if value not in allowed:
-            raise ConfigError(f"{dotted}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
+            problems.append(f"{dotted}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
     for dotted, lo, hi, inclusive in RANGES:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
@@ -508,47 +527,69 @@ def _check_ranges(cfg: ExperimentConfig) -> None:
         high_ok = hi is None or value <= hi
         if not (low_ok and high_ok):
             bound = f"{'>=' if inclusive else '>'} {lo}" + (f" and <= {hi}" if hi is not None else "")
-            raise ConfigError(f"{dotted}: {_short(value)} is out of range; it must be {bound}")
+            problems.append(f"{dotted}: {_short(value)} is out of range; it must be {bound}")
+    return problems
+
+
+def _check_ranges(cfg: ExperimentConfig) -> None:
+    """Values in range, then the keys that go together: every problem, raised together."""
+    problems = _value_problems(cfg)
+    if problems:
+        raise ConfigError(*problems)
+    problems = _combination_problems(cfg)
+    if problems:
+        raise ConfigError(*problems)
+
+
+def _combination_problems(cfg: ExperimentConfig) -> list[str]:
+    """The keys that must go together, each pair checked on its own: one line per problem."""
+    problems: list[str] = []
     t = cfg.train_args
     if t.client_num_per_round > t.client_num_in_total:
-        raise ConfigError(
+        problems.append(
             f"train_args.client_num_per_round (C_k={t.client_num_per_round}) is larger than "
             f"train_args.client_num_in_total (K={t.client_num_in_total}); set C_k <= K"
         )
     backend, kind = cfg.comm_args.backend, cfg.common_args.training_type
     if (backend == "local") != (kind == "simulation"):
-        raise ConfigError(
+        problems.append(
             f"comm_args.backend '{backend}' does not go with common_args.training_type '{kind}': use backend local "
             "with training_type simulation (the in-process simulator), or backend MPI / GRPC with cross_silo (FedML)"
         )
     if cfg.tracking_args.enable_wandb or cfg.tracking_args.using_mlops:
-        raise ConfigError(
+        problems.append(
             "tracking_args.enable_wandb / using_mlops must be false: fedml_ssfl runs offline and logs to "
             "TensorBoard and metrics.jsonl instead"
         )
     shape = cfg.data_args.synthetic_shape
     if len(shape) != 3 or shape[0] not in (1, 3) or not all(1 <= s <= MAX_IMAGE_SIDE for s in shape[1:]):
-        raise ConfigError(
+        problems.append(
             f"data_args.synthetic_shape: {_short(shape)} is not [channels, height, width] with 1 or 3 channels and "
             f"sides 1..{MAX_IMAGE_SIDE}; e.g. [3, 32, 32]"
         )
     name = cfg.common_args.run_name
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise ConfigError(
+        problems.append(
             f"common_args.run_name: {_short(name)} must be one folder name inside common_args.output_dir (no '/', "
             "'\\', '..'); put the location into common_args.output_dir"
         )
     if len(name.encode("utf-8")) > MAX_RUN_NAME_BYTES:
-        raise ConfigError(
+        problems.append(
             f"common_args.run_name: {_short(name, 40)} is {len(name.encode('utf-8'))} bytes long; a folder name may "
             f"take {MAX_RUN_NAME_BYTES} here: shorten it"
         )
-    _check_partition(cfg.data_args)
-    _check_normalisation(cfg.data_args)
     _warn_deployment_keys_ignored(cfg)
-    _check_participation(cfg)
-    if cfg.comm_args.mode == "deployment":
-        _check_deployment(cfg)
+    for check, arg in (
+        (_check_partition, cfg.data_args),
+        (_check_normalisation, cfg.data_args),
+        (_check_participation, cfg),
+        (_check_deployment, cfg),
+    ):
+        try:
+            check(arg)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    return problems
 
 
 def _check_participation(cfg: ExperimentConfig) -> None:
@@ -595,6 +636,8 @@ def _check_participation(cfg: ExperimentConfig) -> None:
 
 def _check_deployment(cfg: ExperimentConfig) -> None:
     """FedML's deployment mode: every process reads its own files, so they must be named."""
+    if cfg.comm_args.mode != "deployment":
+        return
     d = cfg.data_args
     if cfg.comm_args.backend not in ("MPI", "GRPC"):
         raise ConfigError(
@@ -681,13 +724,26 @@ def _check_partition(d: DataArgs) -> None:
         raise ConfigError(str(exc)) from exc
 
 
-def validate(raw: dict[str, Any]) -> ExperimentConfig:
+def validate(raw: dict[str, Any], check_names: bool = False) -> ExperimentConfig:
     """Validate a raw (YAML-loaded) mapping into an :class:`ExperimentConfig`.
+
+    Every problem of the config is found before any is reported: FedML's conventions
+    (:mod:`fedml_ssfl.fedml_compat`), the keys and their types, then the values' ranges and choices,
+    then the keys that must go together (these last two only once the earlier ones pass, since they
+    read the values). They are raised together, one line each.
+
+    Parameters
+    ----------
+    raw : dict
+        The YAML-loaded mapping of sections.
+    check_names : bool
+        Also check that ``model_args.model`` and ``data_args.dataset`` name a registered model and
+        dataset (``fedml-ssfl run``; a FedML script brings its own model and data).
 
     Raises
     ------
     ConfigError
-        Naming the offending key and the fix.
+        Naming each offending key and the fix (``problems``: one line each).
     """
     from .algorithms import registry  # late: algorithms import torch-heavy modules
 
@@ -697,26 +753,38 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
     from . import fedml_compat  # FedML's fedml_config.yaml conventions: aliases, ignored keys (warned)
 
-    raw = fedml_compat.apply(raw, default_algorithm=ExperimentConfig.algorithm)
+    problems: list[str] = []
+    known = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in SECTIONS.items()}
+    raw = fedml_compat.apply(raw, default_algorithm=ExperimentConfig.algorithm, known=known, problems=problems)
     valid_sections = [*SECTIONS, "ssfl_args"]
     kwargs: dict[str, Any] = {}
     for section, value in raw.items():
         if section not in valid_sections:
-            raise ConfigError(f"unknown section '{section}'{_closest(str(section), valid_sections)}")
-        if section in SECTIONS:
-            kwargs[section] = build_dataclass(SECTIONS[section], value, section)
-    ssfl = dict(raw.get("ssfl_args") or {})
-    if not isinstance(raw.get("ssfl_args") or {}, dict):
-        raise ConfigError("ssfl_args: expected a mapping with at least 'algorithm'")
+            problems.append(f"unknown section '{section}'{_closest(str(section), valid_sections)}")
+        elif section in SECTIONS:
+            kwargs[section] = build_dataclass(SECTIONS[section], value, section, problems)
+    ssfl = raw.get("ssfl_args") or {}
+    if not isinstance(ssfl, dict):
+        problems.append("ssfl_args: expected a mapping with at least 'algorithm'")
+        ssfl = {}
+    ssfl = dict(ssfl)
     algorithm = ssfl.pop("algorithm", ExperimentConfig.algorithm)
+    algo_cls = None
     if not isinstance(algorithm, str):
-        raise ConfigError(f"ssfl_args.algorithm: expected a string, got {algorithm!r}")
-    try:
-        algo_cls = registry.get_algorithm(algorithm)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args")
-    _check_hyperparameter_bounds(algo_cfg)
+        problems.append(f"ssfl_args.algorithm: expected a string, got {algorithm!r}")
+    else:
+        try:
+            algo_cls = registry.get_algorithm(algorithm)
+        except ValueError as exc:
+            problems.append(str(exc))
+    algo_cfg = build_dataclass(algo_cls.config_class, ssfl, "ssfl_args", problems) if algo_cls else None
+    if algo_cfg is not None:
+        try:
+            _check_hyperparameter_bounds(algo_cfg)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(*problems)
     cfg = ExperimentConfig(**kwargs, algorithm=algorithm, ssfl_args=algo_cfg)
     if cfg.comm_args.mode == "deployment" and "dataset" not in (raw.get("data_args") or {}):
         kind = "script" if cfg.data_args.local_data == SCRIPT_DATA else "files"
@@ -724,21 +792,34 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     if "run_name" not in (raw.get("common_args") or {}):
         cfg.common_args.run_name = derived_run_name(cfg.data_args.dataset, algorithm)
     cfg.device_args.using_gpu = cfg.device_args.device == "cuda"
-    _check_ranges(cfg)
+    problems = _value_problems(cfg)
+    if check_names:
+        problems += _name_problems(cfg)
+    if problems:
+        raise ConfigError(*problems)
+    problems = _combination_problems(cfg)
     if cfg.data_args.label_scenario not in algo_cls.label_scenarios:
-        raise ConfigError(
+        problems.append(
             f"data_args.label_scenario: algorithm '{algorithm}' supports "
             f"{' | '.join(algo_cls.label_scenarios)}, not '{cfg.data_args.label_scenario}'"
             + (f" ({algo_cls.label_scenario_note})" if algo_cls.label_scenario_note else "")
         )
     for name in cfg.common_args.compare_with:
-        registry.get_algorithm(name)
-    _check_stacking(cfg, algo_cls, registry)
+        try:
+            registry.get_algorithm(name)
+        except ValueError as exc:
+            problems.append(f"common_args.compare_with: {str(exc).removeprefix('ssfl_args.algorithm: ')}")
+    try:
+        _check_stacking(cfg, algo_cls, registry)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
     if cfg.train_args.idle_clients and algo_cls.idle_clients_note:
-        raise ConfigError(
+        problems.append(
             f"train_args.idle_clients: algorithm '{algorithm}' {algo_cls.idle_clients_note}; "
             "set train_args.idle_clients: false"
         )
+    if problems:
+        raise ConfigError(*problems)
     algo_cfg.check(cfg)
     return cfg
 
@@ -757,6 +838,26 @@ def _check_hyperparameter_bounds(algo_cfg: Any) -> None:
                 if f.default is not dataclasses.MISSING
                 else f"ssfl_args.{f.name}: {_short(value)} is out of range; it must lie within +-{limit:,}"
             )
+
+
+def _name_problems(cfg: ExperimentConfig) -> list[str]:
+    """``model_args.model`` and ``data_args.dataset`` not registered (deployment data is files: any name)."""
+    from .data.datasets import available_datasets
+    from .models import model_spec
+
+    problems = []
+    try:
+        model_spec(cfg.model_args.model)
+    except ValueError as exc:
+        problems.append(f"model_args.model: {str(exc).replace(' (model_args.model)', '')}")
+    if cfg.comm_args.mode != "deployment" and cfg.data_args.dataset not in available_datasets():
+        names = available_datasets()
+        close = difflib.get_close_matches(cfg.data_args.dataset, names, n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        problems.append(
+            f"data_args.dataset: {cfg.data_args.dataset!r} is not a dataset here{hint} (available: {', '.join(names)})"
+        )
+    return problems
 
 
 def _check_stacking(cfg: ExperimentConfig, algo_cls: Any, registry: Any) -> None:
@@ -1121,15 +1222,18 @@ def _algorithm_keys(algorithm: Any) -> set[str]:
         return set()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, check_names: bool = False
+) -> ExperimentConfig:
     """Load, override and validate a config; ``path=None`` gives the default main job.
 
     Order: the file (or the defaults), then ``overrides`` (``--set``), then :data:`SMOKE_ENV`'s
     settings where set (:func:`apply_smoke_settings`; they never replace a ``--set``).
+    ``check_names``: as :func:`validate`.
     """
     raw = load_raw(path) if path is not None else {}
     raw = apply_overrides(raw, overrides or [])
-    return validate(apply_smoke_settings(raw, overrides or []))
+    return validate(apply_smoke_settings(raw, overrides or []), check_names=check_names)
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:

@@ -7,7 +7,21 @@ PROG = "fedml-ssfl"
 
 
 class ConfigError(ValueError):
-    """A configuration problem, with a message that names the key and the fix."""
+    """A configuration problem, with a message that names the key and the fix.
+
+    Several problems found together (a config's validation reports all of them) are given as several
+    arguments: ``problems`` holds them, one line each, and ``str()`` joins them with line breaks.
+    """
+
+    def __init__(self, *problems: object) -> None:
+        self.problems = [str(p) for p in problems] or [""]
+        super().__init__("\n".join(self.problems))
+
+
+def error_lines(exc: BaseException) -> list[str]:
+    """:func:`error_line` for each problem of ``exc`` (a :class:`ConfigError` may carry several)."""
+    problems = getattr(exc, "problems", None) if isinstance(exc, ConfigError) else None
+    return [error_line(p) for p in (problems or [str(exc)])]
 
 
 def error_line(text: str) -> str:

@@ -34,13 +34,13 @@ def wire(obj):
     return decode(codec.loads(codec.dumps(encode(obj))))
 
 
-def run_protocol(cfg, run_dir, tamper=None, stop_after=None, resume=False, workers_out=None):
-    """Drive ServerRuntime + C_k ClientWorkers (one experiment each, as separate processes would);
-    ``workers_out`` (a dict) receives the workers by rank."""
+def run_protocol(cfg, run_dir, tamper=None, stop_after=None, resume=False, workers_out=None, n_workers=None):
+    """Drive ServerRuntime + C_k ClientWorkers (one experiment each, as separate processes would), or
+    ``n_workers`` of them serving several silos each; ``workers_out`` (a dict) receives the workers by rank."""
     exp = build_experiment(cfg)
     exp.algorithm.setup()
     state = load_checkpoint(run_dir / "checkpoints" / "last.pt") if resume else None
-    ck = cfg.train_args.client_num_per_round
+    ck = n_workers or cfg.train_args.client_num_per_round
     rt = ServerRuntime(cfg, exp, run_dir, state, ck, stop_after=stop_after)
     workers = {w: ClientWorker(build_experiment(cfg), w) for w in range(1, ck + 1)}
     if workers_out is not None:
@@ -49,10 +49,9 @@ def run_protocol(cfg, run_dir, tamper=None, stop_after=None, resume=False, worke
     try:
         while not rt.done:
             payloads = rt.begin_round()
-            plan = rt.plan(rt.round)
-            served.append(plan)
+            served.append(rt.plan(rt.round) if n_workers is None else rt.groups(rt.round))
             uploads = []
-            for i, k in enumerate(plan):
+            for i, k in enumerate(rt.routing()):
                 up = wire(workers[i + 1].handle(wire(payloads[k])))
                 uploads.append(tamper(rt.round, i + 1, up) if tamper else up)
             rt.finish_round(uploads)

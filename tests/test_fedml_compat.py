@@ -179,10 +179,15 @@ def test_worker_num_is_client_num_per_round():
     assert cfg.train_args.client_num_per_round == 3
     same = validate(cross_silo(train_args={"client_num_per_round": 3}, device_args={"worker_num": 3}))
     assert same.train_args.client_num_per_round == 3
-    with pytest.raises(ConfigError, match=r"device_args\.worker_num \(4\) and train_args\.client_num_per_round \(3\)"):
+    more = r"device_args\.worker_num: 4 is more than train_args\.client_num_per_round \(3\)"
+    with pytest.raises(ConfigError, match=more):
         validate(cross_silo(train_args={"client_num_per_round": 3}, device_args={"worker_num": 4}))
     with pytest.raises(ConfigError, match=r"device_args\.worker_num: expected an integer >= 1"):
-        validate(cross_silo(device_args={"worker_num": 0}))
+        validate(cross_silo(device_args={"worker_num": -1}))
+    # fewer workers than C_k: each serves several silos a round (FedML's MPI simulation)
+    few = validate(cross_silo(train_args={"client_num_per_round": 5}, device_args={"worker_num": 2}))
+    assert (few.train_args.client_num_per_round, few.device_args.worker_num) == (5, 2)
+    assert few.fingerprint() == validate(cross_silo(train_args={"client_num_per_round": 5})).fingerprint()
 
 
 def test_epochs_set_the_servers_steps_from_its_own_labels():

@@ -205,9 +205,12 @@ def gpu_for_rank(mapping_file: str | Path, key: str, rank: int, world: int) -> i
 
 
 def worker_count(cfg: ExperimentConfig) -> int:
-    """FedML worker processes: C_k in simulation (silos are routed to them), K in deployment (one per silo)."""
+    """FedML worker processes: in simulation ``device_args.worker_num`` (fewer than C_k: each serves several
+    of a round's silos) or C_k (silos are routed to them), K in deployment (one per silo)."""
     t = cfg.train_args
-    return t.client_num_in_total if deployed(cfg) else t.client_num_per_round
+    if deployed(cfg):
+        return t.client_num_in_total
+    return min(cfg.device_args.worker_num, t.client_num_per_round) or t.client_num_per_round
 
 
 def world_size(cfg: ExperimentConfig) -> int:
@@ -222,6 +225,11 @@ def world_reason(cfg: ExperimentConfig) -> str:
         return (
             f"comm_args.mode deployment runs one process per silo: K = train_args.client_num_in_total = "
             f"{t.client_num_in_total}, plus the server: {world_size(cfg)}"
+        )
+    if worker_count(cfg) < t.client_num_per_round:
+        return (
+            f"device_args.worker_num = {worker_count(cfg)} workers (serving the C_k = {t.client_num_per_round} silos "
+            f"of a round) plus the server: {world_size(cfg)}"
         )
     return f"train_args.client_num_per_round C_k = {t.client_num_per_round} needs C_k + 1 = {world_size(cfg)}"
 

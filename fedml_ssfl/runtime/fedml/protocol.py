@@ -5,7 +5,9 @@ One round, seen from a worker::
     server --Task--> worker --Reply | Failure--> server        ...        server --Finish--> worker
 
 A pooled worker (simulation under mpirun) serves whichever silo a :class:`Task` names and keeps
-a cache of client states (``state``, ``state_tag``, ``upload``, ``drop`` move them); a deployed
+a cache of client states; with fewer workers than silos a round (``device_args.worker_num``, as in
+FedML's MPI simulation) a worker's task carries the round's other silos for it in ``more``, and its
+reply their replies in ``more`` (``state``, ``state_tag``, ``upload``, ``drop`` move them); a deployed
 silo (rank k + 1 serves silo k) keeps its own state, is introduced by the first task it receives
 (:class:`Intro`) and saves its state when a task says ``checkpoint``.
 
@@ -33,6 +35,20 @@ def _ints(name: str, v: Any) -> None:
         raise ValueError(f"{name} must be a list of silo ids, got {type(v).__name__}")
     for x in v:
         _int(name, x)
+
+
+def _batch(name: str, head: Any, cls: type) -> None:
+    """``head.more``: a flat list of ``cls`` records of the head's round and rank, each silo once."""
+    if not isinstance(head.more, list):
+        raise ValueError(f"{name}.more must be a list, got {type(head.more).__name__}")
+    silos = {head.silo}
+    for item in head.more:
+        if not isinstance(item, cls) or item.more:
+            raise ValueError(f"{name}.more must hold {cls.__name__} records without a more of their own")
+        if (item.round, item.rank) != (head.round, head.rank) or item.silo in silos:
+            raise ValueError(f"{name}.more: each silo once, all of round {head.round} for rank {head.rank}")
+        silos.add(item.silo)
+        item.check()
 
 
 @dataclass
@@ -72,6 +88,10 @@ class Task:
         Deployed silos: save the client state after this round.
     intro : Intro or None
         Deployed silos: set on the first task a rank receives.
+    more : list of Task
+        Pooled workers serving several silos a round: the tasks of the others (same round and rank;
+        their own ``upload`` and ``drop`` empty: the first task's apply to the whole batch, after it
+        has trained).
     """
 
     round: int
@@ -85,10 +105,12 @@ class Task:
     drop: list[int] = field(default_factory=list)
     checkpoint: bool = False
     intro: Intro | None = None
+    more: list[Task] = field(default_factory=list)
 
     def check(self) -> None:
         for name in ("round", "silo", "rank", "state_tag"):
             _int(f"Task.{name}", getattr(self, name))
+        _batch("Task", self, Task)
         _ints("Task.upload", self.upload)
         _ints("Task.drop", self.drop)
         if not isinstance(self.train, bool) or not isinstance(self.checkpoint, bool):
@@ -115,6 +137,8 @@ class Reply:
         The client's message (checked by :func:`~.payloads.check_reply` before aggregation).
     states : dict
         Pooled workers: ``{silo: (round of last update, client state)}`` for the task's ``upload``.
+    more : list of Reply
+        The replies to a task's ``more``, in its order (their ``states`` empty).
     """
 
     round: int
@@ -123,10 +147,12 @@ class Reply:
     trained: bool = True
     msg: Message | None = None
     states: dict[int, tuple[int, dict]] = field(default_factory=dict)
+    more: list[Reply] = field(default_factory=list)
 
     def check(self) -> None:
         for name in ("round", "silo", "rank"):
             _int(f"Reply.{name}", getattr(self, name))
+        _batch("Reply", self, Reply)
         if not isinstance(self.trained, bool):
             raise ValueError("Reply.trained must be a boolean")
         if not isinstance(self.states, dict):

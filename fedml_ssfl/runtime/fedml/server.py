@@ -43,25 +43,43 @@ TOTALS = (
 
 
 def assign_silos(chosen: list[int], holder: dict[int, int], workers: int) -> list[int]:
-    """Route a round's silos to workers 1..``workers``: position i is served by rank i + 1.
+    """Route a round's silos to workers 1..``workers`` (one each): position i is served by rank i + 1.
 
     A silo goes back to the worker holding its newest client state when that worker is free,
     so state rarely has to move; the rest fill the free workers in id order. Deterministic.
     """
     if len(chosen) != workers:
         raise ValueError(f"{len(chosen)} silos for {workers} workers")
-    slots: list[int | None] = [None] * workers
+    return [g[0] for g in assign_groups(chosen, holder, workers)]
+
+
+def assign_groups(chosen: list[int], holder: dict[int, int], workers: int) -> list[list[int]]:
+    """Route a round's C_k silos to workers 1..``workers`` (at most C_k): group i is served by rank i + 1.
+
+    Each worker serves ``C_k // workers`` silos, the first ``C_k % workers`` one more (FedML's MPI
+    simulation with ``worker_num`` below ``client_num_per_round`` runs several clients per process
+    too). A silo goes back to the worker holding its newest client state while that worker has room,
+    so state rarely has to move; the rest fill the workers with room in rank order. Each group is in
+    silo order. Deterministic.
+    """
+    n = len(chosen)
+    if not 1 <= workers <= n:
+        raise ValueError(f"{n} silos for {workers} workers")
+    room = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
+    groups: list[list[int]] = [[] for _ in range(workers)]
     rest = []
     for k in sorted(chosen):
         w = holder.get(k)
-        if w is not None and 1 <= w <= workers and slots[w - 1] is None:
-            slots[w - 1] = k
+        if w is not None and 1 <= w <= workers and len(groups[w - 1]) < room[w - 1]:
+            groups[w - 1].append(int(k))
         else:
-            rest.append(k)
-    free = [i for i, s in enumerate(slots) if s is None]
-    for i, k in zip(free, rest, strict=True):
-        slots[i] = k
-    return [int(s) for s in slots]
+            rest.append(int(k))
+    i = 0
+    for k in rest:
+        while len(groups[i]) >= room[i]:
+            i += 1
+        groups[i].append(k)
+    return [sorted(g) for g in groups]
 
 
 class ServerRuntime:
@@ -78,7 +96,8 @@ class ServerRuntime:
     resume_state : dict, optional
         A checkpoint to continue from.
     workers : int
-        C_k, the number of worker processes.
+        The number of worker processes: C_k, or fewer (``device_args.worker_num``), each serving several
+        of a round's silos (:func:`assign_groups`).
     stop_after : int, optional
         Stop after this many rounds in total (as in the local runtime).
     backend : str
@@ -130,17 +149,26 @@ class ServerRuntime:
     def done(self) -> bool:
         return self.round >= self.end
 
-    def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
-        """The silo each worker serves in round ``r`` (cached: computed once per round)."""
+    def groups(self, r: int, holder: dict[int, int] | None = None) -> list[list[int]]:
+        """The silos each worker serves in round ``r``, in rank order (cached: computed once per round)."""
         if r not in self.plans:
             t = self.cfg.train_args
             chosen = sample_clients(self.cfg.common_args.random_seed, r, t.client_num_in_total, t.client_num_per_round)
-            self.plans[r] = assign_silos(chosen, self.holder if holder is None else holder, self.workers)
+            self.plans[r] = assign_groups(chosen, self.holder if holder is None else holder, self.workers)
         return self.plans[r]
 
+    def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
+        """Round ``r``'s silos, the workers' groups one after another (one silo each: the silo of each worker)."""
+        return [k for g in self.groups(r, holder) for k in g]
+
+    def owners(self, r: int, holder: dict[int, int] | None = None) -> dict[int, int]:
+        """silo -> the rank serving it in round ``r``."""
+        return {k: w + 1 for w, g in enumerate(self.groups(r, holder)) for k in g}
+
     def routing(self) -> list[int]:
-        """Silo ids in worker order for the next send (the last round's after the run ends)."""
-        return self.plan(min(self.round, self.end - 1))
+        """One silo id per worker in worker order, the key of its payload (the first of its group), for the
+        next send (the last round's after the run ends)."""
+        return [g[0] for g in self.groups(min(self.round, self.end - 1))]
 
     def outstanding(self) -> dict[int, int]:
         """rank -> silo of the workers this round still waits for."""
@@ -155,16 +183,16 @@ class ServerRuntime:
         r = self.round
         if self.payloads is not None and self.current is not None and self.current.round_idx == r:
             return self.payloads
-        plan = self.plan(r)
+        plan, groups = self.plan(r), self.groups(r)
         start = start_round(self.exp, r)
         if sorted(plan) != start.chosen:
             raise RuntimeError(f"routing {plan} disagrees with the sampler's {start.chosen} in round {r + 1}")
         if start.listeners:
             self._deliver_on_server(start)
         after = dict(self.holder)
-        after.update({k: i + 1 for i, k in enumerate(plan)})
+        after.update(self.owners(r))
         stale_after = self.stale | set(plan)
-        nxt = self.plan(r + 1, holder=after) if r + 1 < self.end else []
+        nxt = self.owners(r + 1, holder=after) if r + 1 < self.end else {}
         checkpoint = is_checkpoint_round(self.cfg, r, self.end)
         # an algorithm that broadcasts to every client has the silos not sampled receive on the server,
         # which therefore needs every silo's newest state after each round: every trained state comes back
@@ -172,29 +200,34 @@ class ServerRuntime:
         uploads: dict[int, list[int]] = {w: [] for w in range(1, self.workers + 1)}
         for j in sorted(stale_after):
             w = after[j]
-            if checkpoint or everyone or (j in nxt and nxt.index(j) + 1 != w):
+            if checkpoint or everyone or (j in nxt and nxt[j] != w):
                 uploads[w].append(j)
         payloads, state_down = {}, 0
-        for i, k in enumerate(plan):
+        for i, group in enumerate(groups):
             w = i + 1
-            send_state = self.holder.get(k) != w
-            if send_state:
-                if k in self.stale:
-                    raise RuntimeError(f"silo {k}'s newest state is on rank {self.holder[k]}, not on the server")
-                state_down += state_nbytes(self.client_states[k])
-            payloads[k] = Task(
-                round=r,
-                silo=k,
-                rank=w,
-                msg=start.messages[k],
-                state=self.client_states[k] if send_state else None,
-                state_tag=self.tags[k],
-                upload=uploads[w],
-                drop=sorted(self.drop[w] - {k}),
-            )
+            tasks = []
+            for k in group:
+                send_state = self.holder.get(k) != w
+                if send_state:
+                    if k in self.stale:
+                        raise RuntimeError(f"silo {k}'s newest state is on rank {self.holder[k]}, not on the server")
+                    state_down += state_nbytes(self.client_states[k])
+                tasks.append(
+                    Task(
+                        round=r,
+                        silo=k,
+                        rank=w,
+                        msg=start.messages[k],
+                        state=self.client_states[k] if send_state else None,
+                        state_tag=self.tags[k],
+                    )
+                )
+            head = tasks[0]
+            head.upload, head.drop, head.more = uploads[w], sorted(self.drop[w] - set(group)), tasks[1:]
+            payloads[head.silo] = head
             self.drop[w].clear()
         self.current, self.payloads, self.state_down = start, payloads, state_down
-        self.awaiting = {i + 1: k for i, k in enumerate(plan)}
+        self.awaiting = {i + 1: g[0] for i, g in enumerate(groups)}
         self.round_started = time.monotonic()
         return payloads
 
@@ -224,16 +257,18 @@ class ServerRuntime:
         if start is None:
             raise RuntimeError("finish_round before begin_round")
         by_silo: dict[int, Reply] = {}
-        for up in self._replies(uploads):
+        owners = self.owners(r)
+        heads = self._replies(uploads)
+        for up in (one for head in heads for one in (head, *head.more)):
             if up.round != r or up.silo not in start.chosen:
                 raise RuntimeError(
                     f"rank {up.rank} sent a reply for round {up.round + 1} silo {up.silo} "
                     f"while round {r + 1} waited for silos {start.chosen}"
                 )
-            if up.rank != self.plan(r).index(up.silo) + 1:
+            if up.rank != owners[up.silo]:
                 raise RuntimeError(
                     f"round {r + 1}: silo {up.silo} came back from rank {up.rank}, but was routed to rank "
-                    f"{self.plan(r).index(up.silo) + 1}"
+                    f"{owners[up.silo]}"
                 )
             by_silo[up.silo] = up
         if sorted(by_silo) != start.chosen:
@@ -246,8 +281,7 @@ class ServerRuntime:
             self.holder[k], self.tags[k] = w, r
             self.stale.add(k)
         state_up = 0
-        for k in start.chosen:
-            up = by_silo[k]
+        for up in heads:
             for j, (tag, st) in up.states.items():
                 if self.holder.get(j) == up.rank and self.tags[j] == tag:
                     self.client_states[j] = st
@@ -358,6 +392,9 @@ class DeployedServerRuntime(ServerRuntime):
         self.meta = SiloMeta.of(exp.dataset)
         self.resumed_after = self.round - 1 if resume_state is not None else -1
         self.introduced: set[int] = set()
+
+    def groups(self, r: int, holder: dict[int, int] | None = None) -> list[list[int]]:
+        return [[k] for k in range(self.workers)]
 
     def plan(self, r: int, holder: dict[int, int] | None = None) -> list[int]:
         return list(range(self.workers))

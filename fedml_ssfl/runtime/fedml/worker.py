@@ -41,29 +41,43 @@ class ClientWorker:
         self.cache: MutableMapping[int, tuple[int, dict]] = worker_state_cache(exp.config, rank)
 
     def handle(self, task: Task) -> Reply | Failure:
-        """Run one round's client update; return the reply (or a :class:`Failure`, never raising)."""
+        """Run one round's client updates (the task's silo, then those of ``task.more``); return the reply
+        (its ``more``: the others', in order), or a :class:`Failure` naming the silo, never raising."""
         r, k = task.round, task.silo
         try:
             for j in task.drop:
                 self.cache.pop(j, None)
-            if task.state is not None:
-                self.cache[k] = (task.state_tag, task.state)
-            tag, state = self.cache.get(k, (None, None))
-            if state is None or tag != task.state_tag:
-                raise RuntimeError(
-                    f"silo {k}'s client state from round {task.state_tag + 1} is not on rank {self.rank} "
-                    f"(it has {tag}); the routing and the state cache disagree"
-                )
-            reply = _client_update(self.exp, task.msg, k, r, state)
-            self.cache[k] = (r, state)
+            replies = []
+            for one in (task, *task.more):
+                k = one.silo
+                replies.append(Reply(r, k, self.rank, msg=self._train(one)))
+            k = task.silo
             missing = [j for j in task.upload if j not in self.cache]
             if missing:
                 raise RuntimeError(
                     f"asked to upload the state of silos {missing}, which rank {self.rank} does not hold"
                 )
-            return Reply(r, k, self.rank, msg=reply, states={j: self.cache[j] for j in task.upload})
+            head = replies[0]
+            head.states = {j: self.cache[j] for j in task.upload}
+            head.more = replies[1:]
+            return head
         except Exception as exc:  # reported to the server, which stops the run with this message
             return _failure(r, k, self.rank, exc)
+
+    def _train(self, task: Task) -> Any:
+        """One silo's client update on its cached (or sent) state; the cache then holds the new state."""
+        r, k = task.round, task.silo
+        if task.state is not None:
+            self.cache[k] = (task.state_tag, task.state)
+        tag, state = self.cache.get(k, (None, None))
+        if state is None or tag != task.state_tag:
+            raise RuntimeError(
+                f"silo {k}'s client state from round {task.state_tag + 1} is not on rank {self.rank} "
+                f"(it has {tag}); the routing and the state cache disagree"
+            )
+        reply = _client_update(self.exp, task.msg, k, r, state)
+        self.cache[k] = (r, state)
+        return reply
 
 
 WORKER_SPILL_PREFIX = ".worker_states-"
