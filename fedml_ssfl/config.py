@@ -578,7 +578,6 @@ def _combination_problems(cfg: ExperimentConfig) -> list[str]:
             f"common_args.run_name: {_short(name, 40)} is {len(name.encode('utf-8'))} bytes long; a folder name may "
             f"take {MAX_RUN_NAME_BYTES} here: shorten it"
         )
-    _warn_deployment_keys_ignored(cfg)
     for check, arg in (
         (_check_partition, cfg.data_args),
         (_check_normalisation, cfg.data_args),
@@ -589,6 +588,8 @@ def _combination_problems(cfg: ExperimentConfig) -> list[str]:
             check(arg)
         except ConfigError as exc:
             problems.extend(exc.problems)
+    if not problems:
+        _warn_deployment_keys_ignored(cfg)
     return problems
 
 
