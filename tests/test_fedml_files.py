@@ -109,6 +109,13 @@ def test_femnist_reads_feds_h5_writers_exactly(tmp_path):
     assert ds.train_labels.tolist() == [0, 61, 10, 35, 36] and ds.test_images.shape == (2, 1, 28, 28)
 
 
+def test_a_femnist_file_too_large_to_decode_is_refused_from_its_declared_shapes(tmp_path, monkeypatch):
+    _femnist(tmp_path / "fed_emnist_train.h5", {"w": (_images(4, 0), [0, 1, 2, 3])})
+    monkeypatch.setenv("FEDML_SSFL_MAX_INPUT_BYTES", "4KiB")  # 4 images of 28x28 float32: 12.3 KiB declared
+    with pytest.raises(DataFormatError, match=r"fed_emnist_train\.h5: the FEMNIST file .* more than the 4\.0 KiB"):
+        read_fed_emnist_h5(tmp_path / "fed_emnist_train.h5")
+
+
 def test_a_malformed_femnist_file_is_refused_in_one_line_naming_it(tmp_path):
     with h5py.File(tmp_path / "fed_emnist_train.h5", "w") as fh:
         fh.create_dataset("examples/w/pixels", data=np.zeros((2, 28, 28), np.float32))
