@@ -108,11 +108,10 @@ def test_norm_layers_are_read_from_the_module():
 # ---------------------------------------------------------------------------------------------
 # a FedML script's run (in process, as tests/test_fedml_script.py drives FedMLRunner's calls)
 
-fedml = pytest.importorskip("fedml")
-
 
 @pytest.fixture(scope="module")
 def script_run(tmp_path_factory):
+    pytest.importorskip("fedml")
     from tests.test_fedml_script import FEDML_YAML, SCRIPT, _round_trip
 
     folder = tmp_path_factory.mktemp("script_outputs")
@@ -175,6 +174,7 @@ def test_export_builds_a_script_runs_model_from_its_checkpoint_and_names_what_it
 
 
 def test_a_script_data_name_is_the_configs_own_or_script_data():
+    pytest.importorskip("fedml")
     from fedml_ssfl.runtime.fedml.hooks import script_data_name
 
     assert script_data_name("mnist") == "script_data" and script_data_name("") == "script_data"
@@ -187,3 +187,13 @@ def test_a_checkpoint_without_a_card_names_the_way(tmp_path):
     save_checkpoint(tmp_path / "old.pt", {"round": 0, "algorithm": {"global_state": {}}})
     with pytest.raises(ConfigError, match="carries no model_card"):
         load_trained(Path(tmp_path / "old.pt"))
+
+
+def test_an_unset_logits_key_is_no_difference_from_a_checkpoint_written_before_it():
+    from fedml_ssfl.checkpoint import config_difference
+
+    before = {"model_args": {"model": "cnn28", "norm": "gn"}}
+    assert config_difference(before, {"model_args": {"model": "cnn28", "norm": "gn", "logits": ""}}) == []
+    assert config_difference(before, {"model_args": {"model": "cnn28", "norm": "gn", "logits": 0}}) == [
+        "model_args.logits (checkpoint '', now 0)"
+    ]
