@@ -44,6 +44,7 @@ INPUT_RULE = "uint8 pixels (N, C, H, W) / 255, then (x - norm_mean) / norm_std p
 
 def model_card(cfg: Any, exp: Any) -> dict[str, Any]:
     """The model card of the run ``exp`` (its config ``cfg``): see the module docstring."""
+    from .experiment import script_data
     from .models.script import SCRIPT_MODEL_PREFIX, class_path, input_shape, norm_kind
 
     info, data = exp.data_info, exp.dataset
@@ -57,7 +58,7 @@ def model_card(cfg: Any, exp: Any) -> dict[str, Any]:
         "label": label(cfg.model_args.model, cfg.model_args.norm, norm),
         "norm": norm,
         "logits": cfg.model_args.logits,
-        "dataset": data.name,
+        "dataset": data.name if script_data(cfg) else cfg.data_args.dataset,  # a script's list: its own name
         "num_classes": int(info.num_classes),
         "class_names": [str(c) for c in data.class_names],
         "in_channels": int(info.in_channels),
