@@ -96,6 +96,10 @@ def test_a_run_of_a_model_with_a_tuple_output_trains_and_its_checkpoint_stands_a
     digits = load_dataset("digits")
     assert accuracy(trained, digits.test_images, digits.test_labels) == pytest.approx(result.final_acc, abs=1e-9)
     assert trained.card["logits"] == 0 and trained.card["norm"] == "bn"
+    from mobile_export import export as ex  # the exported graph takes the logits too, parity checked on them
+
+    report = ex.export_run(result.run_dir, tmp_path / "edge", quantize=False, parity_samples=200)
+    assert report.ok and report.checks["parity_onnx"]["label_mismatches"] == 0
 
 
 def test_norm_layers_are_read_from_the_module():
