@@ -24,7 +24,9 @@ def _leaf(folder: Path, name: str, users: dict[str, tuple[np.ndarray, list[int]]
     doc = {
         "users": list(users),
         "num_samples": [len(y) for _, y in users.values()],
-        "user_data": {u: {"x": (x.reshape(len(x), -1) / 255.0).tolist(), "y": y} for u, (x, y) in users.items()},
+        "user_data": {
+            u: {"x": np.round(x.reshape(len(x), -1) / 255.0, 6).tolist(), "y": y} for u, (x, y) in users.items()
+        },
     }
     path = folder / name
     path.write_text(json.dumps(doc))
