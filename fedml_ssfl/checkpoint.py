@@ -148,6 +148,10 @@ IGNORED_KEYS = (
 """Config keys a resume may change (where outputs go, the run id, the progress bar, where client states
 and images live): not in the fingerprint."""
 
+ADDED_KEYS = {"model_args.logits": ""}
+"""Config keys added after checkpoints were first written, with their defaults: a checkpoint's config without
+one held the default (so it is no difference)."""
+
 _SHOWN = 8
 """How many differing keys a refusal names before it counts the rest."""
 
@@ -202,7 +206,8 @@ def config_difference(saved: dict[str, Any], config: dict[str, Any]) -> list[str
             continue
         for key in sorted(set(a) | set(b)):
             dotted = f"{section}.{key}"
-            old, new = a.get(key, missing), b.get(key, missing)
+            default = ADDED_KEYS.get(dotted, missing)
+            old, new = a.get(key, default), b.get(key, default)
             if dotted not in IGNORED_KEYS and old != new:
                 keys.append(f"{dotted} (checkpoint {show(old)}, now {show(new)})")
     return keys

@@ -109,6 +109,7 @@ class ModelArgs:
 
     model: str = "cnn28"
     norm: str = "gn"  # bn | gn | none (what the model supports)
+    logits: int | str = ""  # a model returning a tuple / dict: the logits' position (0) or key ("logits")
 
 
 @dataclass
@@ -384,6 +385,8 @@ class ExperimentConfig:
         data.get("tracking_args", {}).pop("progress_bar", None)
         for key in RESOURCE_KEYS:
             data.get("device_args", {}).pop(key, None)
+        if data.get("model_args", {}).get("logits") == "":  # unset: the fingerprints of earlier runs hold
+            data["model_args"].pop("logits")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def run_dir(self) -> Path:
@@ -1237,7 +1240,9 @@ def load_config(
     return validate(apply_smoke_settings(raw, overrides or []), check_names=check_names)
 
 
-def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:
-    """Write the resolved config as YAML, atomically (a full disk leaves no half-written config)."""
-    text = cfg.to_yaml().encode("utf-8")
+def save_config(cfg: ExperimentConfig, path: str | Path, note: str = "") -> Path:
+    """Write the resolved config as YAML, atomically (a full disk leaves no half-written config); ``note``:
+    comment lines opening the file."""
+    head = "".join(f"# {line}\n" for line in note.splitlines())
+    text = (head + cfg.to_yaml()).encode("utf-8")
     return atomic_write(path, lambda fh: fh.write(text))

@@ -218,6 +218,7 @@ def model_factory(cfg: ExperimentConfig, info: ImageDataset | DataInfo):
         "in_channels": info.in_channels,
         "image_size": info.image_size,
         "norm": cfg.model_args.norm,
+        "logits": cfg.model_args.logits,  # a model returning a tuple / dict: which output is the logits
     }
     try:
         build_model(cfg.model_args.model, **kwargs)

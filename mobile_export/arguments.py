@@ -66,6 +66,21 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "need fixed shapes; 0 keeps it dynamic); the .onnx files keep a dynamic batch",
     )
     parser.add_argument(
+        "--model",
+        dest="model_spec",
+        default="",
+        metavar="MODULE:NAME",
+        help="a FedML script's run: the class (or a function) building its model with no arguments "
+        "(default: the class the checkpoint records, imported from the script's folder)",
+    )
+    parser.add_argument(
+        "--data",
+        default="",
+        metavar="PATH",
+        help="a FedML script's run: labeled test images (.npz or class folders) for the parity checks, the int8 "
+        "calibration and gates (the run keeps none of the script's data)",
+    )
+    parser.add_argument(
         "--legacy-exporter", dest="dynamo", action="store_false", help="use the TorchScript exporter instead of dynamo"
     )
     parser.add_argument(

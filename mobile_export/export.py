@@ -908,6 +908,77 @@ def client_image_pools(cfg, dataset, calibration_samples: int, eval_samples: int
     return images[np.sort(idx[:n_cal])], images[np.sort(idx[n_cal : n_cal + eval_samples])], where
 
 
+def _script_run(cfg) -> bool:
+    """Whether ``cfg`` is a FedML script's run (its data and model lived in the script)."""
+    from fedml_ssfl.experiment import script_data
+    from fedml_ssfl.models.script import SCRIPT_MODEL_PREFIX
+
+    return script_data(cfg) or cfg.model_args.model.startswith(SCRIPT_MODEL_PREFIX)
+
+
+@dataclass
+class _CardData:
+    """The data facts :func:`export_run` reads, for a script's run: from the model card and ``--data``."""
+
+    name: str
+    class_names: list[str]
+    num_classes: int
+    mean: list[float]
+    std: list[float]
+    in_channels: int
+    image_size: int
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+
+
+def _script_run_source(run: RunSource, model_spec: str, data: str | Path) -> tuple[_CardData, nn.Module]:
+    """A FedML script's run: its model from the checkpoint's model card (and ``--model``), test images from ``--data``.
+
+    Raises
+    ------
+    ExportError
+        No model card, no ``--data``, a model that cannot be built, images of another shape.
+    """
+    from fedml_ssfl.config import ConfigError
+    from fedml_ssfl.data.local_files import DataFormatError, read_local_images
+    from fedml_ssfl.trained import build_from_card, read_card
+
+    try:
+        card = read_card(run.checkpoint, run.checkpoint_path)
+        net = build_from_card(card, model_spec=model_spec)
+    except ConfigError as exc:
+        raise ExportError(str(exc)) from None
+    if not data:
+        raise ExportError(
+            f"{run.checkpoint_path} is a FedML script's run, which keeps none of the script's data: pass --data PATH, "
+            f"labeled test images (.npz or class folders, {card['in_channels']}x{card['image_size']}x"
+            f"{card['image_size']}), for the parity checks and the int8 gates"
+        )
+    try:
+        images = read_local_images(data, num_classes=int(card["num_classes"]))
+    except DataFormatError as exc:
+        raise ExportError(f"--data: {exc}") from None
+    want = (int(card["in_channels"]), int(card["image_size"]), int(card["image_size"]))
+    if tuple(images.images.shape[1:]) != want or bool((images.labels < 0).any()):
+        raise ExportError(
+            f"--data {data}: holds images {tuple(images.images.shape[1:])}, labels "
+            f"{'missing on some' if bool((images.labels < 0).any()) else 'given'}; the run's model takes {want}, and "
+            "the gates need every image's label"
+        )
+    facts = _CardData(
+        name=str(card.get("dataset", "")),
+        class_names=[str(c) for c in card["class_names"]],
+        num_classes=int(card["num_classes"]),
+        mean=list(card["norm_mean"]),
+        std=list(card["norm_std"]),
+        in_channels=want[0],
+        image_size=want[1],
+        test_images=images.images,
+        test_labels=images.labels,
+    )
+    return facts, net
+
+
 def export_run(
     source: str | Path,
     out_dir: str | Path,
@@ -922,6 +993,8 @@ def export_run(
     min_agreement: float = MIN_AGREEMENT,
     weights: str = DEFAULT_WEIGHTS,
     batch_size: int = DEFAULT_ORT_BATCH,
+    model_spec: str = "",
+    data: str | Path = "",
 ) -> ExportReport:
     """Export a run's model (RUN_DIR or its checkpoint file) to ``out_dir``, verified.
 
@@ -954,6 +1027,14 @@ def export_run(
     batch_size : int
         The batch the ``.ort`` files are fixed to (default 1); 0 keeps it dynamic. The
         ``.onnx`` files keep a dynamic batch.
+    model_spec : str
+        A FedML script's run: ``module:Name`` of the class (or function) building its model with no
+        arguments; default the class the checkpoint's model card records, imported from the script's
+        folder (:func:`fedml_ssfl.trained.build_from_card`).
+    data : path
+        A FedML script's run (required there): labeled test images, ``.npz`` or class folders, in the
+        run's image shape, for the parity checks, the int8 calibration (the first half when the int8
+        model is built) and gates. The normalisation is the checkpoint's (its model card).
 
     Returns
     -------
@@ -973,11 +1054,14 @@ def export_run(
     cfg, payload = run.config, run.checkpoint
     if parity_samples is not None and parity_samples < 0:
         raise ExportError(f"parity_samples must be >= 0 (0: the whole test set), got {parity_samples}")
-    try:
-        dataset = load_experiment_dataset(cfg)
-        net = model_factory(cfg, dataset)()
-    except (ConfigError, FileNotFoundError) as exc:
-        raise ExportError(f"cannot rebuild the run's data and model from {run.config_path}: {exc}") from exc
+    if _script_run(cfg):
+        dataset, net = _script_run_source(run, model_spec, data)
+    else:
+        try:
+            dataset = load_experiment_dataset(cfg)
+            net = model_factory(cfg, dataset)()
+        except (ConfigError, FileNotFoundError) as exc:
+            raise ExportError(f"cannot rebuild the run's data and model from {run.config_path}: {exc}") from exc
     state = select_weights(payload, weights, run.checkpoint_path)
     try:
         net.load_state_dict(state, strict=True)
@@ -987,6 +1071,7 @@ def export_run(
             f"{cfg.model_args.norm} from {run.config_path}: {exc}"
         ) from exc
     values, where = resolve_thresholds(thresholds, dataset.num_classes, payload, cfg)
+    card = payload.get("model_card") if isinstance(payload.get("model_card"), dict) else {}
     fingerprint = payload.get("fingerprint") or cfg.fingerprint()
     if payload.get("fingerprint") and payload["fingerprint"] != cfg.fingerprint():
         log.warning(
@@ -997,8 +1082,8 @@ def export_run(
         )
     meta = EdgeMetadata(
         class_names=list(dataset.class_names),
-        mean=[float(v) for v in dataset.mean],
-        std=[float(v) for v in dataset.std],
+        mean=[float(v) for v in card.get("norm_mean", dataset.mean)],  # what the run used (its model card)
+        std=[float(v) for v in card.get("norm_std", dataset.std)],
         in_channels=dataset.in_channels,
         image_size=dataset.image_size,
         thresholds=values,
@@ -1008,12 +1093,18 @@ def export_run(
         config_hash=str(fingerprint),
         model=cfg.model_args.model,
         norm=cfg.model_args.norm,
-        dataset=cfg.data_args.dataset,
+        dataset=str(card.get("dataset", cfg.data_args.dataset)),
         weights=weights,
     )
     n_test = len(dataset.test_images)
     n = n_test if parity_samples == 0 else min(n_test, parity_samples or DEFAULT_PARITY_SAMPLES)
-    calib, unlabeled, held = client_image_pools(cfg, dataset, calibration_samples, n)
+    if _script_run(cfg):  # the --data images: calibration and agreement on them
+        held = "export_data"
+        pool = dataset.test_images.numpy()
+        n_cal = min(calibration_samples, max(len(pool) // 2, 1))
+        calib, unlabeled = pool[:n_cal], pool[n_cal:] if len(pool) > n_cal else pool
+    else:
+        calib, unlabeled, held = client_image_pools(cfg, dataset, calibration_samples, n)
     src = {
         "source": str(source),
         "checkpoint": str(run.checkpoint_path),
@@ -1109,6 +1200,8 @@ def run_export_from_args(args: argparse.Namespace, prog: str = "export") -> int:
             min_agreement=args.min_agreement / 100.0,
             weights=args.weights,
             batch_size=args.batch_size,
+            model_spec=getattr(args, "model_spec", ""),
+            data=getattr(args, "data", ""),
         )
     except ExportError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -230,7 +230,7 @@ def test_the_classes_train_the_scripts_model_on_its_list_and_aggregate_the_silos
     run = _round_trip(script, tmp_path)
     algo, result = run.aggregator.runtime.exp.algorithm, run.aggregator.result
     assert result is not None and result.summary["status"] == "completed"
-    assert result.summary["model"] == "script:TinyNet" and result.summary["dataset"] == "my_digits"
+    assert result.summary["model"] == "TinyNet-none" and result.summary["dataset"] == "my_digits"
     assert "measured_non_iid_r" not in result.summary  # the server holds no client data to measure it on
     assert run.cfg.data_args.local_data == SCRIPT_DATA and run.cfg.comm_args.mode == "deployment"
     # the last round: the global model is FedAvg-SSL's average of the server's step and both silos' replies
@@ -261,7 +261,7 @@ def test_labels_at_client_algorithms_derive_what_they_need_from_the_scripts_mode
         *("--set", "data_args.num_server_labels=0", "--set", "data_args.labels_per_class_client=3"),
     )
     algo, result = run.aggregator.runtime.exp.algorithm, run.aggregator.result
-    assert result.summary["status"] == "completed" and result.summary["model"] == "script:TinyNet"
+    assert result.summary["status"] == "completed" and result.summary["model"] == "TinyNet-none"
     names = sorted(name for name, _ in run.model.named_parameters())
     if algorithm == "fedmatch":
         assert sorted(algo.sigma) == sorted(algo.psi) == names  # every trainable parameter, sigma + psi
@@ -308,7 +308,7 @@ def test_a_fedml_script_under_mpirun_trains_its_model_and_the_checkpoint_holds_i
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "mine"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["model"] == "script:TinyNet", summary
+    assert summary["status"] == "completed" and summary["model"] == "TinyNet-none", summary
     assert summary["dataset"] == "my_digits" and "measured_non_iid_r" not in summary
     server = torch.load(tmp_path / "rank0.pt")
     saved = load_checkpoint(run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]

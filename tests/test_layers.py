@@ -48,7 +48,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("training", ("fedml_ssfl.training", "fedml_ssfl.metrics", "fedml_ssfl.stacked")),
     ("algorithms", ("fedml_ssfl.algorithms",)),
     ("config", ("fedml_ssfl.config", "fedml_ssfl.fedml_compat")),
-    ("experiment", ("fedml_ssfl.experiment", "fedml_ssfl.checkpoint", "fedml_ssfl.tracking", "fedml_ssfl.report")),
+    (
+        "experiment",
+        (
+            "fedml_ssfl.experiment",
+            "fedml_ssfl.checkpoint",
+            "fedml_ssfl.trained",
+            "fedml_ssfl.tracking",
+            "fedml_ssfl.report",
+        ),
+    ),
     ("runtime", ("fedml_ssfl.runtime",)),
     ("bench", ("fedml_ssfl.bench",)),
     ("cli", ("fedml_ssfl.cli", "fedml_ssfl.__main__")),

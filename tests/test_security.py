@@ -163,6 +163,17 @@ def test_tls_files_are_read_per_rank_and_a_missing_one_is_named(tmp_path, monkey
         load_security(grpc_cfg(*keys), 3)
 
 
+def test_the_job_key_file_is_read_per_rank_like_the_tls_files(tmp_path, monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    (tmp_path / "job1.key").write_text("a" * 40)
+    (tmp_path / "job2.key").write_text("b" * 40)
+    cfg = grpc_cfg("comm_args.insecure=true", f"comm_args.job_key_file={tmp_path / 'job{rank}.key'}")
+    assert load_security(cfg, 1).key == b"a" * 40
+    assert load_security(cfg, 2).key == b"b" * 40
+    with pytest.raises(ConfigError, match=r"comm_args\.job_key_file: cannot read .*job3\.key"):
+        load_security(cfg, 3)
+
+
 def test_membership_ignores_local_keys_and_names_what_differs():
     a = grpc_cfg("common_args.output_dir=/a", "device_args.device=cpu", "comm_args.tls_cert=/x")
     b = grpc_cfg("common_args.output_dir=/b", "common_args.random_seed=4", "comm_args.tls_cert=/y")

@@ -912,6 +912,48 @@ def _load_folder(root: Path, download: bool, seed: int, flip: bool = False) -> I
     return _local_dataset("folder", train, test, flip)
 
 
+def _fedml_dataset(name: str, train: Any, test: Any, class_names: list[str], source: Path) -> ImageDataset:
+    """An :class:`ImageDataset` from FedML's files (:mod:`.fedml_files`): its own statistics, no flip."""
+    from .fedml_files import _check_classes
+
+    _check_classes(name, {"train": train, "test": test}, len(class_names), source)
+    if train.images.shape[1:] != test.images.shape[1:]:
+        raise DataFormatError(
+            f"{source}: train images {train.images.shape[1:]}, test images {test.images.shape[1:]}; they need one shape"
+        )
+    images = _images(train.images)
+    return _real_dataset(
+        name, (train.images, train.labels), (test.images, test.labels), class_names, _channel_stats(images), flip=False
+    )
+
+
+def _load_fedml_mnist(root: Path, download: bool, seed: int) -> ImageDataset:
+    """FedML's MNIST cache, LEAF JSON: ``root/MNIST/train/*.json``, ``root/MNIST/test/*.json`` (10 classes)."""
+    from .fedml_files import read_leaf_json
+
+    folder = root / "MNIST"
+    if not all(any((folder / split).glob("*.json")) for split in ("train", "test")):
+        raise FileNotFoundError(
+            f"dataset 'fedml_mnist': no LEAF .json files in {folder}/train and {folder}/test; unzip FedML's MNIST.zip "
+            "(what fedml.data.load downloads into its data_cache_dir) into data_args.data_cache_dir"
+        )
+    train, test = read_leaf_json(folder / "train"), read_leaf_json(folder / "test")
+    return _fedml_dataset("fedml_mnist", train, test, list(_DIGIT_NAMES), folder)
+
+
+def _load_femnist(root: Path, download: bool, seed: int) -> ImageDataset:
+    """FedML's FEMNIST (TFF's federated EMNIST): ``root/fed_emnist_train.h5``, ``fed_emnist_test.h5`` (62 classes)."""
+    from .fedml_files import FEMNIST_CLASSES, FEMNIST_FILES, read_fed_emnist_h5
+
+    if not all((root / f).is_file() for f in FEMNIST_FILES):
+        raise FileNotFoundError(
+            f"dataset 'femnist': {' and '.join(FEMNIST_FILES)} not found in {root}; copy FedML's FederatedEMNIST "
+            "files (what fedml.data.load reads from its data_cache_dir) into data_args.data_cache_dir"
+        )
+    train, test = (read_fed_emnist_h5(root / f) for f in FEMNIST_FILES)
+    return _fedml_dataset("femnist", train, test, list(FEMNIST_CLASSES), root)
+
+
 # --------------------------------------------------------------------------------------------
 # registry and entry point
 # --------------------------------------------------------------------------------------------
@@ -930,6 +972,8 @@ _REGISTRY: dict[str, _Loader] = {
     "emnist_balanced": _load_emnist_balanced,
     "npz": _load_npz,
     "folder": _load_folder,
+    "fedml_mnist": _load_fedml_mnist,
+    "femnist": _load_femnist,
 }
 
 

@@ -117,6 +117,14 @@ def check_classifier(model: nn.Module, num_classes: int, in_channels: int, image
             "it must take normalised float images (N, C, H, W)"
         ) from exc
     want = (PROBE_BATCH, num_classes)
+    if isinstance(out, (tuple, list, dict)):
+        name = "a dict" if isinstance(out, dict) else f"a {type(out).__name__} of {len(out)}"
+        keys = f" (keys: {', '.join(map(repr, out))})" if isinstance(out, dict) else ""
+        raise ConfigError(
+            f"{what} returns {name}{keys} for images {shape}; the algorithms need class logits {want}: say which "
+            "output they are with model_args.logits (their position in the tuple, e.g. 0, or their key in the dict, "
+            "e.g. logits)"
+        )
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or not out.is_floating_point():
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(

@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import ConfigError
 from .head import check_classifier, find_classifier
 from .norm import NORM_KINDS
+from .script import select_logits
 
 ModelBuilder = Callable[..., nn.Module]
 """``builder(*, num_classes, in_channels, image_size, norm) -> nn.Module``."""
@@ -173,7 +174,9 @@ def model_spec(name: str) -> ModelSpec:
         ) from None
 
 
-def build_model(name: str, *, num_classes: int, in_channels: int, image_size: int, norm: str = "gn") -> nn.Module:
+def build_model(
+    name: str, *, num_classes: int, in_channels: int, image_size: int, norm: str = "gn", logits: int | str = ""
+) -> nn.Module:
     """Build a registered model after checking the request against its :class:`ModelSpec`.
 
     Parameters
@@ -188,6 +191,9 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
         Side of the (square) input images.
     norm : str, optional
         Normalisation kind (``model_args.norm``), default ``"gn"``.
+    logits : int or str, optional
+        ``model_args.logits``: for a model returning a tuple or dict, the position or key of its logits
+        (:func:`~fedml_ssfl.models.script.select_logits`); default ``""``, the output itself.
 
     Returns
     -------
@@ -223,7 +229,8 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
             f"model {name!r} cannot take image_size={image_size}; it supports image sizes: {spec.image_size_text()}"
         )
     model = spec.builder(num_classes=num_classes, in_channels=in_channels, image_size=image_size, norm=norm)
-    request = (name, spec.builder, num_classes, in_channels, image_size, norm)
+    select_logits(model, logits)
+    request = (name, spec.builder, num_classes, in_channels, image_size, norm, logits)
     if request not in _CHECKED:
         try:
             check_classifier(model, num_classes, in_channels, image_size, f"model {name!r}")

@@ -54,6 +54,7 @@ from ..participation import FILE_NAME as PARTICIPATION_FILE
 from ..participation import Participation, Planner, plan_round
 from ..report import format_duration
 from ..tracking import RunTracker, run_description, write_summary
+from ..trained import CARD_KEY, label, model_card
 from ..training import cosine_lr
 from .folder_lock import LOCK_NAME, FolderLock, lock_folder
 
@@ -189,12 +190,13 @@ def _output_dir_error(run_dir: Path, exc: OSError) -> ConfigError:
     )
 
 
-def model_label(cfg: ExperimentConfig) -> str:
-    """The model as outputs name it: ``<model>-<norm>`` for a registered model, the class for a script's own."""
-    from ..models.script import SCRIPT_MODEL_PREFIX
+def model_label(cfg: ExperimentConfig, model: Any = None) -> str:
+    """The model as outputs name it: ``<model>-<norm>`` for a registered model; ``<Class>-<norm layers it holds>``
+    for a script's own (``MyNet-bn``; :func:`..trained.label`), read from ``model`` when given."""
+    from ..models.script import norm_kind
 
-    name = cfg.model_args.model
-    return name if name.startswith(SCRIPT_MODEL_PREFIX) else f"{name}-{cfg.model_args.norm}"
+    held = norm_kind(model) if model is not None else cfg.model_args.norm
+    return label(cfg.model_args.model, cfg.model_args.norm, held)
 
 
 def mean_client_metrics(replies: dict[int, Message]) -> dict[str, float]:
@@ -645,8 +647,9 @@ class RunRecorder:
             self.totals.update(resume_state["totals"])
         # the algorithm's per-client server records under the state budget (FedMatch's views, client_psi)
         self.records = bind_server_records(cfg, exp.algorithm, self.run_dir, resume_state)
+        self.card = model_card(cfg, exp)  # what the checkpoint needs to be used alone (..trained)
         try:
-            save_config(cfg, self.run_dir / "config.yaml")
+            save_config(cfg, self.run_dir / "config.yaml", self._config_note())
             self.tracker = RunTracker(
                 self.run_dir,
                 cfg.tracking_args.enable_tensorboard,
@@ -663,6 +666,15 @@ class RunRecorder:
         evals = [r["test_acc"] for r in self.tracker.rows if r.get("test_acc") is not None]
         self.best = max(evals, default=float("nan"))
         self.last_acc = evals[-1] if evals else float("nan")
+
+    def _config_note(self) -> str:
+        """config.yaml's opening comment: the normalisation and model the run resolved (the keys stay as given)."""
+        c = self.card
+        return (
+            f"resolved by the run: model {c['label']}, {c['num_classes']} classes, images {c['in_channels']}x"
+            f"{c['image_size']}x{c['image_size']}, norm_mean {c['norm_mean']}, norm_std {c['norm_std']}\n"
+            f"(all in checkpoints/last.pt and summary.json under {CARD_KEY}; fedml_ssfl.trained.load_trained uses it)"
+        )
 
     def record(self, r: int, row: dict[str, Any], end: int, client_states: MutableMapping[int, dict]) -> float | None:
         """Close round ``r``: totals, ``finalize`` after the last round, evaluation, log, checkpoint.
@@ -712,6 +724,7 @@ class RunRecorder:
                     "fingerprint": cfg.fingerprint(),
                     "config": cfg.to_dict(),  # a refused resume names the keys that differ from it
                     "algorithm_name": cfg.algorithm,
+                    CARD_KEY: self.card,  # the model card: the checkpoint used alone (..trained)
                     "algorithm": algo_state,
                     **states,
                     **records,
@@ -835,8 +848,8 @@ class RunRecorder:
         summary = {
             "status": status,
             "algorithm": cfg.algorithm,
-            "dataset": cfg.data_args.dataset,
-            "model": model_label(cfg),
+            "dataset": self.card["dataset"],  # the data used (a script's list: its own name)
+            "model": self.card["label"],
             "rounds_completed": done,
             "comm_round": cfg.train_args.comm_round,
             "final_test_acc": self.last_acc,
@@ -852,6 +865,7 @@ class RunRecorder:
             "num_classes": self.exp.data_info.num_classes,
             "config_fingerprint": cfg.fingerprint(),
             "run_dir": str(self.run_dir),
+            CARD_KEY: self.card,
             **extra,
         }
         try:

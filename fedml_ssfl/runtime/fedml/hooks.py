@@ -77,7 +77,7 @@ with warnings.catch_warnings():  # requests' version check and pkg_resources, at
     from fedml.cross_silo.server.message_define import MyMessage
 
 from ... import envvars
-from ...config import SCRIPT_DATA, ConfigError, ExperimentConfig, load_config, load_raw
+from ...config import SCRIPT_DATA, ConfigError, ExperimentConfig, derived_run_name, load_config, load_raw
 from ...data import ImageDataset
 from ...errors import error_line
 from ...experiment import build_experiment, deployed, script_data
@@ -170,9 +170,11 @@ class SSFLAggregator(ServerAggregator):
             mean=d.norm_mean,
             std=d.norm_std,
             flip=d.flip,
-            name=d.dataset,
+            name=script_data_name(d.dataset),
         )
-        factory = script_model_factory(self.model, data.num_classes, data.in_channels, data.image_size, shape)
+        factory = script_model_factory(
+            self.model, data.num_classes, data.in_channels, data.image_size, shape, cfg.model_args.logits
+        )
         return server_runtime(with_script_model(cfg, self.model), data, factory)
 
     def _payloads(self) -> dict[int, Any]:
@@ -308,7 +310,9 @@ class _ScriptSilo:
             client_label_ratio=d.client_label_ratio,
             labels_per_class_client=d.labels_per_class_client,
         )
-        factory = script_model_factory(self.model, meta.num_classes, meta.in_channels, meta.image_size, shape)
+        factory = script_model_factory(
+            self.model, meta.num_classes, meta.in_channels, meta.image_size, shape, self.cfg.model_args.logits
+        )
         return data, factory
 
 
@@ -327,13 +331,25 @@ def config_of(args) -> ExperimentConfig:
 
 
 def with_script_model(cfg: ExperimentConfig, model: torch.nn.Module) -> ExperimentConfig:
-    """``cfg`` naming the script's own model (``model_args.model: script:<class>``): what the run trained."""
-    from ...models.script import script_model_name
+    """``cfg`` naming the script's own model (``model_args.model: script:<class>``) and, where it is one of the
+    config's kinds, its normalisation layers (``model_args.norm``): what the run trained."""
+    from ...models.script import norm_kind, script_model_name
 
-    name = script_model_name(model)
-    if cfg.model_args.model == name:
+    name, norm = script_model_name(model), norm_kind(model)
+    norm = norm if norm in ("bn", "gn", "none") else cfg.model_args.norm
+    if (cfg.model_args.model, cfg.model_args.norm) == (name, norm):
         return cfg
-    return dataclasses.replace(cfg, model_args=dataclasses.replace(cfg.model_args, model=name))
+    return dataclasses.replace(cfg, model_args=dataclasses.replace(cfg.model_args, model=name, norm=norm))
+
+
+def script_data_name(dataset: str) -> str:
+    """What a run on a script's dataset list calls its data: the config's ``data_args.dataset`` when that is a
+    name of the user's own, :data:`~fedml_ssfl.data.fedml_lists.SCRIPT_DATASET_NAME` when it names one of the
+    package's datasets (``mnist`` in FedML's example YAML: not what the script's list holds)."""
+    from ...data import available_datasets
+    from ...data.fedml_lists import SCRIPT_DATASET_NAME
+
+    return SCRIPT_DATASET_NAME if not dataset or dataset in available_datasets() else dataset
 
 
 def check_dataset(cfg: ExperimentConfig, dataset: Any, model: Any, rank: int) -> None:
@@ -459,6 +475,9 @@ def script_config(path: str, run_id: Any = None, argv: list[str] | None = None) 
         given |= {text.split("=", 1)[0].strip() for text in settings}
         for key in sorted(given & set(UNUSED_WITH_SCRIPT_DATA)):
             log.warning("%s is not used: %s", key, UNUSED_WITH_SCRIPT_DATA[key])
+        named = "run_name" in common or "common_args.run_name" in given
+        if not named and script_data_name(cfg.data_args.dataset) != cfg.data_args.dataset:  # not the YAML's mnist
+            cfg.common_args.run_name = derived_run_name(script_data_name(cfg.data_args.dataset), cfg.algorithm)
     if run_id not in (None, "", "0"):
         cfg.common_args.run_id = str(run_id)
     if not deployed(cfg) or cfg.comm_args.backend not in ("MPI", "GRPC"):

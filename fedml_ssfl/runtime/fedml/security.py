@@ -151,12 +151,13 @@ def _read(cfg_key: str, path: str, rank: int) -> bytes:
 _CERT_FIX = "make a test CA with deploy/make_test_certs.sh, or point the key at your PEM file"
 
 
-def job_key(cfg: ExperimentConfig) -> bytes | None:
-    """The job's shared key: ``FEDML_SSFL_JOB_KEY`` if set, else ``comm_args.job_key_file``, else None."""
+def job_key(cfg: ExperimentConfig, rank: int = 0) -> bytes | None:
+    """The job's shared key: ``FEDML_SSFL_JOB_KEY`` if set, else ``comm_args.job_key_file`` (``{rank}`` in it
+    replaced by ``rank``, as in the TLS paths), else None."""
     text = envvars.text(KEY_ENV)
     source = KEY_ENV
     if not text and cfg.comm_args.job_key_file:
-        path = Path(cfg.comm_args.job_key_file).expanduser()
+        path = pem_path(cfg.comm_args.job_key_file, rank)
         data = read_small_file(path, "comm_args.job_key_file", _KEY_FIX)
         try:
             text = data.decode("utf-8").strip()
@@ -184,7 +185,7 @@ def load_security(cfg: ExperimentConfig, rank: int) -> JobSecurity:
         TLS or the key is missing while ``comm_args.insecure`` is false, or a file cannot be read.
     """
     c = cfg.comm_args
-    key = job_key(cfg)
+    key = job_key(cfg, rank)
     named = {k: getattr(c, k) for k in ("tls_ca", "tls_cert", "tls_key")}
     if c.insecure:
         log.warning(
