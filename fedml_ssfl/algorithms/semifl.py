@@ -82,6 +82,7 @@ from .registry import register_algorithm
 log = logging.getLogger(__name__)
 
 SBN_MODES = ("federated", "server", "all_data_nonfederated", "off")
+BATCH_LOSSES = ("fix", "fix_mix")
 
 VIEW_CHUNK_VALUES = 2**20
 """A client's steps have their augmented views made together in chunks of about this many input values
@@ -295,9 +296,17 @@ class SemiFLConfig(AlgorithmConfig):
         (paper: E epochs; code: 5). None: ``train_args.local_steps`` steps instead.
     fine_tune : bool
         Table 2's "fine-tune global model with labeled data" (true); false: the server trains in
-        parallel and is averaged with the clients as one model.
+        parallel on the model it sends and its result enters the average (``parallel_server_weight``).
+    parallel_server_weight : float or None
+        With ``fine_tune: false``, the parallel server model's weight in the average, the M_t
+        clients sharing the rest equally (code: 1/2, the authors' ``update_parallel``; the server
+        alone when no client sends). None: the server is one of M_t + 1 equal models.
     pseudo_labels : str
         Table 2's "generate pseudo-labels with global model": ``global`` (default) or ``batch``.
+    batch_loss : str
+        With ``pseudo_labels: batch``, the client's loss on each batch's confident samples: ``fix``
+        (default; the authors' fix-batch ablation, L_fix = CE(f(A(x)), y_hat) only) or ``fix_mix``
+        (L_fix + lambda L_mix of Eq. 6 within the batch).
     final_fine_tune : bool
         Fine-tune (+ sBN) once more after the last round (paper, Algorithm 1: true).
     sbn : str
@@ -318,13 +327,15 @@ class SemiFLConfig(AlgorithmConfig):
     server_steps: int | None = None
     local_epochs: int | None = 5
     fine_tune: bool = True
+    parallel_server_weight: float | None = 0.5
     pseudo_labels: str = "global"
+    batch_loss: str = "fix"
     final_fine_tune: bool = True
     sbn: str = "federated"
 
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
-        choices = {"pseudo_labels": ("global", "batch"), "sbn": SBN_MODES}
+        choices = {"pseudo_labels": ("global", "batch"), "sbn": SBN_MODES, "batch_loss": BATCH_LOSSES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
@@ -336,6 +347,11 @@ class SemiFLConfig(AlgorithmConfig):
         for key in ("loss_lambda", "clip_norm"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be >= 0")
+        w = self.parallel_server_weight
+        if w is not None and not (math.isfinite(w) and 0.0 < w < 1.0):
+            raise ConfigError(
+                f"ssfl_args.parallel_server_weight: {w} must lie in (0, 1) (or null: one of M_t + 1 equal models)"
+            )
         if not 0.0 <= self.server_momentum < 1.0:
             raise ConfigError(f"ssfl_args.server_momentum: {self.server_momentum} must lie in [0, 1)")
         if self.server_epochs < 0:
@@ -432,7 +448,7 @@ class SemiFL(GlobalModelAlgorithm):
             return cpu_state(model)
         gen = seeding.generator(self.seed, "semifl-server", tag, round_idx)
         opt = self.make_sgd(model, self.round_lr(round_idx))
-        persistent = self.config.persistent_optimizer and tag != "parallel"
+        persistent = self.config.persistent_optimizer  # the parallel server's too (the authors' one server SGD)
         if persistent:
             load_momentum_buffers(opt, model, self.fine_tune_momentum)
         self.server_supervised_steps(
@@ -496,11 +512,15 @@ class SemiFL(GlobalModelAlgorithm):
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
         live = [m for m in replies.values() if not m.is_empty]
         states = [m.weights for m in live]
+        weights = [1.0] * len(states)
         if self._parallel_state is not None:
             states.append(self._parallel_state)
+            w = self.config.parallel_server_weight
+            # the authors' update_parallel: the server 1/2, the clients 1/(2 M_t) each (the server alone: 1)
+            weights = [(1.0 - w) / len(live)] * len(live) + [w] if w is not None and live else [1.0] * len(states)
         sent = self.global_state
         if states:
-            avg = weighted_average(states)
+            avg = weighted_average(states, weights)
             self.base_state, self.momentum_buffer = server_momentum_step(
                 sent,
                 avg,
@@ -804,7 +824,8 @@ class SemiFL(GlobalModelAlgorithm):
         ctx: ClientContext,
         state: dict[str, Any],
     ) -> tuple[dict[str, float], bool]:
-        """Table 2 ablation: pseudo-label each batch with the model being trained."""
+        """Table 2 ablation: pseudo-label each batch with the model being trained, then train on the
+        batch's confident samples (``batch_loss``: L_fix alone, the authors', or L_fix + lambda L_mix)."""
         bs = self.train.batch_size
         if self.config.local_epochs is None:
             stream = BatchStream(data.unlabeled_idx, bs, gen)
@@ -822,6 +843,10 @@ class SemiFL(GlobalModelAlgorithm):
                 return None  # no confident sample: no step
             kept += sets.fix.numel()
             model.train()
+            if self.config.batch_loss == "fix":  # the authors' fix-batch: L_fix = CE(f(A(x)), y_hat) only
+                x_strong = pipeline.strong(pipeline.raw(data.images[b[sets.fix]]), gen)
+                loss = F.cross_entropy(model(x_strong), sets.fix_labels.to(x_strong.device))
+                return Step(loss, {}, pseudo=sets.pseudo, truth=data.labels[b])
             out = self._step(
                 model, pipeline, data.images, b[sets.fix], sets.fix_labels, b[sets.mix], sets.mix_labels, gen
             )
