@@ -39,9 +39,7 @@ C_AUTHORS_HORIZON = 0.662
 def curve(train, every: int) -> list[tuple[float, float]]:
     """(epoch, rate) at the start of every ``every``-th round."""
     rounds_per_epoch = train.comm_round / 300
-    return [
-        (r / rounds_per_epoch, cosine_lr(train, r * train.local_steps)) for r in range(0, train.comm_round, every)
-    ]
+    return [(r / rounds_per_epoch, cosine_lr(train, r * train.local_steps)) for r in range(0, train.comm_round, every)]
 
 
 def landmarks(points: list[tuple[float, float]], gamma: float, floor: float) -> dict[str, float | None]:

@@ -753,3 +753,21 @@ def test_persistent_optimizer_keeps_the_parallel_servers_momentum() -> None:
             algo.aggregate({0: Message()}, 0)
             algo.server_step(1)
             assert any(not torch.equal(first[k], algo.fine_tune_momentum[k]) for k in first)
+
+
+@pytest.mark.parametrize("sbn_batch", [None, 5])
+def test_sbn_pass_runs_at_its_own_batch(monkeypatch, sbn_batch) -> None:
+    # The authors' sBN pass runs at 250 while the clients train at 10: sbn_batch_size sets it for the
+    # server's and the clients' sums (null: train_args.batch_size, B_m = 8 here)
+    batches: list[int] = []
+    original = semifl_module.bn_sums
+
+    def spy(model, pipeline, images, idx, batch_size):
+        batches.append(batch_size)
+        return original(model, pipeline, images, idx, batch_size)
+
+    monkeypatch.setattr(semifl_module, "bn_sums", spy)
+    algo = _algo(threshold=0.0, sbn_batch_size=sbn_batch)
+    algo.server_step(0)
+    algo.client_update(algo.message_for(0, 0), _client(algo), {}, ClientContext(0, torch.device("cpu"), 0))
+    assert batches == [sbn_batch or 8] * 2  # the server's sums, then the client's

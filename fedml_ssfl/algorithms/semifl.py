@@ -312,6 +312,10 @@ class SemiFLConfig(AlgorithmConfig):
     sbn : str
         ``federated`` (default), ``server``, ``all_data_nonfederated`` (code) or ``off`` (see
         the module docstring).
+    sbn_batch_size : int or None
+        The batch of the sBN pass (each batch is normalised by its own statistics in that pass, so
+        the deeper layers' sums depend on it): None, ``train_args.batch_size`` (B_m); the authors'
+        code: 250.
     """
 
     threshold: float = 0.95
@@ -332,6 +336,7 @@ class SemiFLConfig(AlgorithmConfig):
     batch_loss: str = "fix"
     final_fine_tune: bool = True
     sbn: str = "federated"
+    sbn_batch_size: int | None = None
 
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
@@ -362,6 +367,10 @@ class SemiFLConfig(AlgorithmConfig):
             raise ConfigError(
                 f"ssfl_args.server_batch_size: {self.server_batch_size} must be >= 1 "
                 "(or null for train_args.batch_size)"
+            )
+        if self.sbn_batch_size is not None and self.sbn_batch_size < 1:
+            raise ConfigError(
+                f"ssfl_args.sbn_batch_size: {self.sbn_batch_size} must be >= 1 (or null for train_args.batch_size)"
             )
         if self.server_steps is not None and self.server_steps < 0:
             raise ConfigError(
@@ -409,6 +418,11 @@ class SemiFL(GlobalModelAlgorithm):
     def server_batch_size(self) -> int:
         """B_s: ``server_batch_size``, else ``train_args.batch_size``."""
         return self.config.server_batch_size or self.train.batch_size
+
+    @property
+    def sbn_batch_size(self) -> int:
+        """The sBN pass's batch: ``sbn_batch_size``, else ``train_args.batch_size``."""
+        return self.config.sbn_batch_size or self.train.batch_size
 
     @property
     def server_steps(self) -> int:
@@ -476,7 +490,7 @@ class SemiFL(GlobalModelAlgorithm):
         else:
             idx = torch.cat([sd.labeled_idx, sd.val_idx])
         model = self.scratch_model(weights, self.device, slot="server")
-        return bn_sums(model, InputPipeline(self.data_info, self.device), sd.images, idx, self.train.batch_size)
+        return bn_sums(model, InputPipeline(self.data_info, self.device), sd.images, idx, self.sbn_batch_size)
 
     def _with_sbn(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._server_sums = self._server_bn_sums(weights)
@@ -580,7 +594,7 @@ class SemiFL(GlobalModelAlgorithm):
         """The reply's ``bn_sums`` under ``sbn: federated`` (the received model's statistics of the data)."""
         if self.config.sbn != "federated":
             return {}
-        sums = bn_sums(model, pipeline, data.images, data.unlabeled_idx, self.train.batch_size)
+        sums = bn_sums(model, pipeline, data.images, data.unlabeled_idx, self.sbn_batch_size)
         return {"bn_sums": sums} if sums else {}
 
     def client_updates_stacked(
