@@ -24,7 +24,9 @@ Defaults where the paper defers to its appendix (the authors' code): tau 0.95, a
 lambda 1 (the text), gradient clipping to 1, Nesterov momentum 0.9, server momentum 0.5.
 ``sbn``: ``federated`` (server data when the model goes out, then server + client sums for the
 evaluated model), ``server``, ``all_data_nonfederated`` (the authors': reads every client's images),
-``off``. Table 2 switches: ``fine_tune``, ``pseudo_labels: batch``, ``final_fine_tune``.
+``off``. Table 2 switches, as the authors ran them: ``fine_tune: false`` (the parallel server weighs
+1/2 in the average, ``parallel_server_weight``), ``pseudo_labels: batch`` (L_fix alone on each batch's
+confident samples, ``batch_loss``), ``final_fine_tune``.
 
 Deviations:
 
@@ -37,6 +39,11 @@ Deviations:
 * A client's views are drawn a chunk of steps at a time (:data:`VIEW_CHUNK_VALUES`): the same
   equations, another order of random numbers, one augmentation call per chunk.
 * ``server_steps`` and ``local_epochs: null`` replace epochs by a fixed number of steps.
+* The sBN pass runs at ``sbn_batch_size`` (default: the clients' training batch; the authors' 250,
+  which the paper configs set).
+* ``pseudo_labels: batch`` forwards only the confident samples' strong view in train mode (the authors
+  also run the batch's weak view through the model in train mode, which moves BatchNorm's running
+  statistics but no loss).
 * The learning rate is ``train_args.lr_schedule`` once per round (the authors: cosine annealing,
   ``lr_schedule: cosine_annealing``); the final fine-tune uses the last round's rate.
 
