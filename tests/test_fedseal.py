@@ -555,3 +555,34 @@ def test_each_classs_threshold_is_logged_every_round_as_fig4(tmp_path) -> None:
     assert len(rows) == 2
     for row in rows:
         assert [row[f"threshold_c{m}"] for m in range(10)] == pytest.approx([0.7] * 10)
+
+
+@pytest.mark.parametrize("augment", ["weak", "plain"])
+def test_server_only_without_data_augmentation_is_fedseals_server_sl_wo_da(monkeypatch, augment) -> None:
+    # FedSEAL Table 2's "Server-SL w/o DA": server_only on the original images (augment: plain); the
+    # default keeps the weak view. The T = 2 steps of batch 8 see which view?
+    from fedml_ssfl.algorithms.bounds import ServerOnly, ServerOnlyConfig
+    from fedml_ssfl.training import InputPipeline
+
+    calls: list[str] = []
+    weak, plain = InputPipeline.weak, InputPipeline.plain
+    monkeypatch.setattr(InputPipeline, "weak", lambda self, x, g: calls.append("weak") or weak(self, x, g))
+    monkeypatch.setattr(InputPipeline, "plain", lambda self, x: calls.append("plain") or plain(self, x))
+    _, data = _setup()
+    server = ServerData(data.images, data.labels, torch.arange(0, 10), torch.arange(0), 3)
+    algo = ServerOnly(
+        ServerOnlyConfig(augment=augment),
+        _Linear,
+        server,
+        INFO,
+        TrainSettings(local_steps=2, batch_size=8, comm_round=2),
+        CPU,
+        0,
+    )
+    algo.setup()
+    before = {k: v.clone() for k, v in algo.global_state.items()}
+    algo.server_step(0)
+    assert calls == [augment, augment]
+    assert any(not torch.equal(before[k], algo.global_state[k]) for k in before)
+    with pytest.raises(ConfigError, match=r"ssfl_args\.augment"):
+        validate({"data_args": {"dataset": "digits"}, "ssfl_args": {"algorithm": "server_only", "augment": "strong"}})

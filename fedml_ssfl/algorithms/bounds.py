@@ -1,6 +1,7 @@
 """Baselines the papers compare against: the lower and upper bounds of SSFL.
 
 * ``server_only``: the server's labels alone (Zhang et al. Eq. 2 every round, no clients).
+  ``augment: plain`` trains on the original images (FedSEAL's "Server-SL w/o DA").
   The lower bound every SSFL method must beat.
 * ``fedavg_sl``: FedAvg where clients hold the labels of all their data (the upper bound).
   Clients train cross-entropy with weak augmentation for T steps; by default the server also
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..aggregation import fedavg_with_server, weighted_average
+from ..errors import ConfigError
 from ..stacked import JobResult, LocalJob, supervised_job
 from ..training import InputPipeline
 from .base import AlgorithmConfig, ClientContext, ClientData, Message
@@ -24,10 +26,26 @@ from .global_model import GlobalModelAlgorithm, client_party
 from .jobs import JobAlgorithm
 from .registry import register_algorithm
 
+SERVER_ONLY_VIEWS = ("weak", "plain")
+
 
 @dataclass
 class ServerOnlyConfig(AlgorithmConfig):
-    """``server_only`` has no hyper-parameters beyond ``train_args`` (T steps per round)."""
+    """Options of ``server_only`` (T steps per round of ``train_args``).
+
+    Attributes
+    ----------
+    augment : str
+        The view of the server's labeled images: ``weak`` (default, flip-and-shift, Zhang et al.'s
+        alpha) or ``plain`` (the original images: FedSEAL's "Server-SL w/o DA", Table 2).
+    """
+
+    augment: str = "weak"
+
+    def check(self, cfg) -> None:
+        """Ranges of the keys (raises :class:`ConfigError`)."""
+        if self.augment not in SERVER_ONLY_VIEWS:
+            raise ConfigError(f"ssfl_args.augment: {self.augment!r} is not one of {', '.join(SERVER_ONLY_VIEWS)}")
 
 
 @register_algorithm
@@ -39,7 +57,7 @@ class ServerOnly(GlobalModelAlgorithm):
     idle_clients_note = "has no clients to idle (server-only training: they send nothing already)"
 
     def server_step(self, round_idx: int) -> None:
-        self.global_state = self.train_on_server_labels(self.global_state, round_idx)
+        self.global_state = self.train_on_server_labels(self.global_state, round_idx, augment=self.config.augment)
 
     def message_for(self, client_id: int, round_idx: int) -> Message:
         return Message(extras={"round": round_idx})

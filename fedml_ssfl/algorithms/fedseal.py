@@ -197,7 +197,8 @@ class FedSEALConfig(AlgorithmConfig):
         Use the negative set and loss (default); false trains on the positive set only.
     log_class_thresholds : bool
         Log each class's threshold tau_m^t of the round as ``threshold_c<m>`` in the round's metrics
-        (default true; the paper's Fig. 4 plots them over the rounds). False logs the mean only.
+        (default true; the paper's Fig. 4 shows them, the per-class mean confidence on the validation set,
+        for the final model, whose values are the last checkpoint's ``thresholds``). False logs the mean only.
     """
 
     theta: float = 0.05
@@ -347,7 +348,7 @@ class FedSEAL(JobAlgorithm):
             "lambda": self.config.positive_weight(round_idx),
             "server_lr": self.round_lr(round_idx),
         }
-        if self.config.log_class_thresholds:  # Fig. 4: the round's tau_m^t, the ones its clients filtered with
+        if self.config.log_class_thresholds:  # Fig. 4's values: the round's tau_m^t, the ones its clients filtered with
             metrics |= {f"threshold_c{m}": float(t) for m, t in enumerate(self.thresholds.tolist())}
         return metrics
 
