@@ -584,3 +584,58 @@ def test_resume_equals_an_uninterrupted_run(small_config, tmp_path) -> None:
     rows_a, rows_b = _rows(tmp_path / "full"), _rows(tmp_path / "part")
     assert [r["c2s_cost"] for r in rows_a] == [r["c2s_cost"] for r in rows_b]
     assert sum(r["helpers_sent"] for r in rows_a) > 0  # the helper rounds were part of it
+
+
+# ---- Table 2's measure and Fig. 6 (b)'s decomposition ablation (issue 37) ---------------------------------
+def _one_round(algo, images, labels, clients: int = 2):
+    data = [
+        _client(images, labels, k, labeled=range(8 * k, 8 * k + 8), unlabeled=range(20 + 20 * k, 40 + 20 * k))
+        for k in range(clients)
+    ]
+    algo.server_step(0)
+    replies = {k: algo.client_update(algo.message_for(k, 0), data[k], {}, _ctx(0)) for k in range(clients)}
+    algo.aggregate(replies, 0)
+
+
+def _params_of(model, algo) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items() if n in algo.layout().params}
+
+
+@pytest.mark.parametrize("which", ["sigma+psi", "sigma", "psi"])
+def test_eval_params_drops_sigma_or_psi_from_the_evaluated_model_only(which) -> None:
+    # Fig. 6 (b): the model evaluated with one decomposed variable removed; training and export keep theta
+    algo, images, labels = _world("client", eval_params=which)
+    _one_round(algo, images, labels)
+    models = algo.evaluation_models()
+    assert len(models) == 1
+    got = _params_of(models[0], algo)
+    for n in algo.layout().params:
+        expected = {"sigma+psi": algo.sigma[n] + algo.psi[n], "sigma": algo.sigma[n], "psi": algo.psi[n]}[which]
+        assert torch.allclose(got[n], expected), n
+        assert torch.allclose(algo.global_state[n], algo.sigma[n] + algo.psi[n])  # the exported model: theta
+
+
+def test_local_mean_evaluates_each_clients_own_model_as_table_2() -> None:
+    # Table 2 measures the averaged local-model accuracy: one model per client that trained, its own
+    # sigma_k + psi_k; their uniform mean is the aggregated theta (Algorithm 1, lines 10-11), up to
+    # psi's hard threshold (5e-6 labels-at-client)
+    algo, images, labels = _world("client", evaluate="local_mean")
+    assert [len(algo.evaluation_models())] == [1]  # before any client trained: the global model
+    _one_round(algo, images, labels, clients=3)
+    models = algo.evaluation_models()
+    assert len(models) == 3
+    states = [_params_of(m, algo) for m in models]  # ClientModels loads one at a time: copies
+    for n in algo.layout().params:
+        mean = sum(s[n] for s in states) / 3
+        assert torch.allclose(mean, algo.sigma[n] + algo.psi[n], atol=2e-5), n
+    assert any(not torch.allclose(states[0][n], states[1][n]) for n in states[0])  # not the global model
+    back, _, _ = _world("client", evaluate="local_mean")
+    back.load_state_dict(algo.state_dict())  # resumes with them
+    assert all(torch.equal(back.local_models[k][n], algo.local_models[k][n]) for k in range(3) for n in states[0])
+
+
+def test_evaluate_and_eval_params_are_checked() -> None:
+    base = {"data_args": {"dataset": "digits", "label_scenario": "client", "num_server_labels": 0}}
+    for key, bad in (("evaluate", "local"), ("eval_params", "theta")):
+        with pytest.raises(ConfigError, match=rf"ssfl_args\.{key}"):
+            validate({**base, "ssfl_args": {"algorithm": "fedmatch", key: bad}})

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedml_ssfl.algorithms.base import ClientContext, ClientData, DataInfo, ServerData, TrainSettings
+from fedml_ssfl.algorithms.base import ClientContext, ClientData, DataInfo, Message, ServerData, TrainSettings
 from fedml_ssfl.algorithms.fedseal import (
     FedSEAL,
     FedSEALConfig,
@@ -525,3 +525,64 @@ def test_round_lr_is_the_papers_per_round_decay(monkeypatch) -> None:
     algo.client_update(_message(_model(1, scale=2.0), torch.full((3,), 0.5)), data, {}, ClientContext(7, CPU, 0))
     assert {who for who, _ in rates} == {"server", "client"}
     assert all(lr == pytest.approx(0.03 * 0.995**7) for _, lr in rates), rates
+
+
+def test_each_classs_threshold_is_logged_every_round_as_fig4(tmp_path) -> None:
+    # Fig. 4 plots tau_m^t per class over the rounds: each round's metrics carry the thresholds the
+    # round's clients received (the server's Eq. 5 on its validation set), one key per class
+    algo, data = _setup(bootstrap_steps=3, server_steps=2)
+    for r in range(2):
+        algo.server_step(r)
+        sent = algo.message_for(0, r).extras["thresholds"]
+        metrics = algo.aggregate({0: Message()}, r)
+        assert [metrics[f"threshold_c{m}"] for m in range(3)] == pytest.approx(sent.tolist())
+        assert metrics["threshold_mean"] == pytest.approx(sum(sent.tolist()) / 3)
+    assert len({metrics[f"threshold_c{m}"] for m in range(3)}) > 1  # class-wise, not one number
+    quiet, _ = _setup(bootstrap_steps=3, server_steps=2, log_class_thresholds=False)
+    quiet.server_step(0)
+    assert not any(k.startswith("threshold_c") for k in quiet.aggregate({0: Message()}, 0))
+    # in a run's metrics.jsonl, every round, every class (10 digits): the fixed threshold here
+    cfg = _digits_config(
+        tmp_path,
+        "fixed",
+        train={"comm_round": 2, "local_steps": 2},
+        fixed_threshold=0.7,
+        bootstrap_steps=4,
+        server_steps=2,
+    )
+    run_local(cfg, run_dir=tmp_path / "fixed")
+    rows = [json.loads(r) for r in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert [row[f"threshold_c{m}"] for m in range(10)] == pytest.approx([0.7] * 10)
+
+
+@pytest.mark.parametrize("augment", ["weak", "plain"])
+def test_server_only_without_data_augmentation_is_fedseals_server_sl_wo_da(monkeypatch, augment) -> None:
+    # FedSEAL Table 2's "Server-SL w/o DA": server_only on the original images (augment: plain); the
+    # default keeps the weak view. The T = 2 steps of batch 8 see which view?
+    from fedml_ssfl.algorithms.bounds import ServerOnly, ServerOnlyConfig
+    from fedml_ssfl.training import InputPipeline
+
+    calls: list[str] = []
+    weak, plain = InputPipeline.weak, InputPipeline.plain
+    monkeypatch.setattr(InputPipeline, "weak", lambda self, x, g: calls.append("weak") or weak(self, x, g))
+    monkeypatch.setattr(InputPipeline, "plain", lambda self, x: calls.append("plain") or plain(self, x))
+    _, data = _setup()
+    server = ServerData(data.images, data.labels, torch.arange(0, 10), torch.arange(0), 3)
+    algo = ServerOnly(
+        ServerOnlyConfig(augment=augment),
+        _Linear,
+        server,
+        INFO,
+        TrainSettings(local_steps=2, batch_size=8, comm_round=2),
+        CPU,
+        0,
+    )
+    algo.setup()
+    before = {k: v.clone() for k, v in algo.global_state.items()}
+    algo.server_step(0)
+    assert calls == [augment, augment]
+    assert any(not torch.equal(before[k], algo.global_state[k]) for k in before)
+    with pytest.raises(ConfigError, match=r"ssfl_args\.augment"):
+        validate({"data_args": {"dataset": "digits"}, "ssfl_args": {"algorithm": "server_only", "augment": "strong"}})

@@ -40,7 +40,7 @@ from fedml_ssfl.algorithms.fedsiam import (
     quantile_boundary,
     rectangle_tau,
 )
-from fedml_ssfl.config import ConfigError
+from fedml_ssfl.config import ConfigError, validate
 from fedml_ssfl.models import build_model
 from fedml_ssfl.runtime.local import run_local
 from fedml_ssfl.ssl.consistency import sigmoid_rampup
@@ -641,3 +641,109 @@ def test_fedsiam_resume_is_exact(small_config, tmp_path, scenario) -> None:
     assert _rows(tmp_path / "full") == [
         {**r, "seconds": x["seconds"]} for r, x in zip(_rows(tmp_path / "part"), _rows(tmp_path / "full"))
     ]
+
+
+# ---- FedSiam's FedAvg, FedAvg+ and FedSem baselines (Sec. 4.1, Table 3; issue 37) ----------------------------
+def _fedavg_world(**cfg):
+    from fedml_ssfl.algorithms.base import DataInfo, ServerData, TrainSettings
+    from fedml_ssfl.algorithms.bounds import FedAvgSL, FedAvgSLConfig
+    from fedml_ssfl.models import build_model
+
+    info = DataInfo(num_classes=3, in_channels=1, image_size=8, mean=(0.5,), std=(0.25,), flip=False)
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (60, 1, 8, 8), generator=gen, dtype=torch.uint8)
+    labels = torch.randint(0, 3, (60,), generator=gen)
+    server = ServerData(images, labels, torch.arange(0), torch.arange(0), 3, label_scenario="client")
+    algo = FedAvgSL(
+        FedAvgSLConfig(**cfg),
+        lambda: build_model("cnn28", num_classes=3, in_channels=1, image_size=8, norm="gn"),
+        server,
+        info,
+        TrainSettings(local_steps=2, batch_size=4, comm_round=4, learning_rate=0.05),
+        torch.device("cpu"),
+        0,
+    )
+    algo.setup()
+    data = ClientData(0, images, labels, torch.arange(10, 40), torch.arange(0, 6), 3)
+    return algo, data
+
+
+def _spy_jobs(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """Every supervised job the algorithm builds: (indices, labels at them, view)."""
+    from fedml_ssfl.algorithms import bounds
+
+    seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+    original = bounds.supervised_job
+
+    def spy(pipeline, images, labels, idx, *args, augment="weak", **kw):
+        seen.append((idx.clone(), labels[idx].clone(), augment))
+        return original(pipeline, images, labels, idx, *args, augment=augment, **kw)
+
+    monkeypatch.setattr(bounds, "supervised_job", spy)
+    return seen
+
+
+@pytest.mark.parametrize("augment", ["plain", "weak"])
+def test_fedavg_and_fedavg_plus_train_on_the_clients_labels_alone(monkeypatch, augment) -> None:
+    # FedSiam's FedAvg (original images) and FedAvg+ (with data augmentation): supervised FedAvg on each
+    # client's labeled samples only, weighted by how many it trained on
+    seen = _spy_jobs(monkeypatch)
+    algo, data = _fedavg_world(client_data="labeled", augment=augment)
+    algo.server_step(0)
+    reply = algo.client_update(algo.message_for(0, 0), data, {}, ClientContext(0, torch.device("cpu"), 0))
+    assert [(s[0].tolist(), s[2]) for s in seen] == [(list(range(6)), augment)]
+    assert torch.equal(seen[0][1], data.labels[:6]) and reply.num_samples == 6
+    seen.clear()
+    algo, data = _fedavg_world()  # the upper bound: every sample, true labels
+    algo.client_update(algo.message_for(0, 0), data, {}, ClientContext(0, torch.device("cpu"), 0))
+    assert sorted(seen[0][0].tolist()) == list(range(6)) + list(range(10, 40))
+
+
+def test_fedsem_pseudo_labels_once_with_the_phase_1_model(monkeypatch) -> None:
+    # FedSem (Table 3: R_G^1 rounds of FedAvg on the labels, then R_G^2 on labels + pseudo-labels): from round
+    # R_G^1 = 2 each client trains on its unlabeled samples too, labelled by the argmax of the global model
+    # Phase 1 ended with (sent once), not their true labels; the labels stay fixed afterwards
+    seen = _spy_jobs(monkeypatch)
+    algo, data = _fedavg_world(client_data="labeled", fedsem_rounds=2)
+    state: dict = {}
+    for r in range(2):  # Phase 1
+        algo.server_step(r)
+        msg = algo.message_for(0, r)
+        assert "labeler" not in msg.extras
+        reply = algo.client_update(msg, data, state, ClientContext(r, torch.device("cpu"), 0))
+        algo.aggregate({0: reply}, r)
+        assert seen[-1][0].tolist() == list(range(6))
+    phase1 = {k: v.clone() for k, v in algo.global_state.items()}
+    algo.server_step(2)
+    msg = algo.message_for(0, 2)
+    assert all(torch.equal(msg.extras["labeler"][k], phase1[k]) for k in phase1)
+    # the expected labels, computed here: the Phase 1 model in eval mode on the normalised original images
+    model = algo.model_fn()
+    model.load_state_dict(phase1)
+    model.eval()
+    x = (data.images[data.unlabeled_idx].float() / 255.0 - 0.5) / 0.25
+    with torch.no_grad():
+        expected = model(x).argmax(dim=1)
+    reply = algo.client_update(msg, data, state, ClientContext(2, torch.device("cpu"), 0))
+    idx, labels, _ = seen[-1]
+    assert idx.tolist() == list(range(6)) + list(range(10, 40)) and reply.num_samples == 36
+    assert torch.equal(labels[:6], data.labels[:6]) and torch.equal(labels[6:], expected)
+    assert not torch.equal(expected, data.labels[10:40])  # pseudo-labels, not the hidden truth
+    algo.aggregate({0: reply}, 2)
+    algo.server_step(3)
+    msg = algo.message_for(0, 3)
+    assert "labeler" not in msg.extras  # sent once
+    algo.client_update(msg, data, state, ClientContext(3, torch.device("cpu"), 0))
+    assert torch.equal(seen[-1][1][6:], expected)  # the same labels, not the newer model's
+
+
+def test_fedavg_sl_baseline_options_are_checked() -> None:
+    base = {"data_args": {"dataset": "digits"}}
+    for ssfl, key in [
+        ({"client_data": "some"}, "client_data"),
+        ({"augment": "strong"}, "augment"),
+        ({"fedsem_rounds": 30}, "fedsem_rounds"),  # needs client_data: labeled
+        ({"client_data": "labeled", "fedsem_rounds": -1}, "fedsem_rounds"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"ssfl_args\.{key}"):
+            validate({**base, "ssfl_args": {"algorithm": "fedavg_sl", **ssfl}})

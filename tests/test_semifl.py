@@ -669,3 +669,105 @@ def test_server_momentum_carries_across_rounds() -> None:
         for k in _params(algo):
             assert torch.allclose(algo.base_state[k], sent1[k] + overshoot, atol=1e-5), (momentum, k)
             assert torch.allclose(algo.state_dict()["momentum_buffer"][k], torch.full_like(sent1[k], -overshoot))
+
+
+# ---- Table 2's ablations as the authors ran them (issue 37) -------------------------------------------
+def _shifted(state: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
+    return {k: (v + by if v.is_floating_point() else v.clone()) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("weight", [0.5, None])
+def test_parallel_server_is_half_of_the_average_as_the_authors(weight) -> None:
+    # fine_tune: false (Table 2): the authors' update_parallel weighs the parallel server 1/2 and the M_t
+    # clients 1/(2 M_t) each; null: the server is one of M_t + 1 equal models. Plain average (momentum 0).
+    algo = _algo(fine_tune=False, server_momentum=0.0, parallel_server_weight=weight)
+    algo.server_step(0)
+    parallel, sent = algo._parallel_state, algo.global_state
+    assert parallel is not None
+    w1, w2 = _shifted(sent, 1.0), _shifted(sent, 4.0)
+    algo.aggregate({0: Message(weights=w1, num_samples=5), 1: Message(weights=w2, num_samples=50)}, 0)
+    k = "fc.weight"
+    if weight == 0.5:  # 1/2 P + 1/4 w1 + 1/4 w2
+        expected = 0.5 * parallel[k] + 0.25 * w1[k] + 0.25 * w2[k]
+    else:  # (P + w1 + w2) / 3
+        expected = (parallel[k] + w1[k] + w2[k]) / 3.0
+    assert torch.allclose(algo.base_state[k], expected, atol=1e-6)
+    # no client sent: the server's model alone (weight 1)
+    algo.server_step(1)
+    parallel = algo._parallel_state
+    algo.aggregate({0: Message()}, 1)
+    assert torch.allclose(algo.base_state[k], parallel[k], atol=1e-6)
+
+
+def test_parallel_server_weight_is_checked() -> None:
+    base = {"data_args": {"dataset": "digits"}, "model_args": {"model": "cnn28"}}
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigError, match=r"ssfl_args\.parallel_server_weight"):
+            validate({**base, "ssfl_args": {"algorithm": "semifl", "parallel_server_weight": bad}})
+    with pytest.raises(ConfigError, match=r"ssfl_args\.batch_loss"):
+        validate({**base, "ssfl_args": {"algorithm": "semifl", "batch_loss": "mix"}})
+    cfg = validate({**base, "ssfl_args": {"algorithm": "semifl"}})
+    assert cfg.ssfl_args.parallel_server_weight == 0.5 and cfg.ssfl_args.batch_loss == "fix"
+
+
+@pytest.mark.parametrize("batch_loss", ["fix", "fix_mix"])
+def test_batch_pseudo_labels_train_l_fix_only_as_the_authors(monkeypatch, batch_loss) -> None:
+    # pseudo_labels: batch (Table 2) as the authors' fix-batch: each batch is pseudo-labelled by the model
+    # being trained (weak view), then one step on CE(f(A(x_conf)), y_hat) alone: no mixup term, and the
+    # only weak views are the pseudo-labelling passes (fix_mix adds the mixtures' weak views and L_mix).
+    mix_calls: list[int] = []
+    weak_sizes: list[int] = []
+    original_mix, original_weak = semifl_module.mixup_loss, InputPipeline.weak
+
+    def mix_spy(*args, **kw):
+        mix_calls.append(1)
+        return original_mix(*args, **kw)
+
+    def weak_spy(self, images, generator):
+        weak_sizes.append(len(images))
+        return original_weak(self, images, generator)
+
+    monkeypatch.setattr(semifl_module, "mixup_loss", mix_spy)
+    monkeypatch.setattr(InputPipeline, "weak", weak_spy)
+    algo = _algo(threshold=0.0, pseudo_labels="batch", local_epochs=None, batch_loss=batch_loss, sbn="off")
+    algo.server_step(0)
+    weak_sizes.clear()
+    msg = algo.message_for(0, 0)
+    reply = algo.client_update(msg, _client(algo), {}, ClientContext(0, torch.device("cpu"), 0))
+    assert not reply.is_empty
+    assert any(not torch.equal(reply.weights[k], msg.weights[k]) for k in algo.param_keys)  # it trained
+    if batch_loss == "fix":
+        assert mix_calls == [] and weak_sizes == [8, 8]  # T = 2 pseudo-labelling passes of B = 8
+    else:
+        assert len(mix_calls) == 2 and weak_sizes == [8, 8, 8, 8]
+
+
+def test_persistent_optimizer_keeps_the_parallel_servers_momentum() -> None:
+    # The authors keep one server SGD whether it fine-tunes or trains in parallel (fine_tune: false)
+    for persistent in (False, True):
+        algo = _algo(fine_tune=False, persistent_optimizer=persistent)
+        algo.server_step(0)
+        assert bool(algo.fine_tune_momentum) == persistent
+        if persistent:
+            first = {k: v.clone() for k, v in algo.fine_tune_momentum.items()}
+            algo.aggregate({0: Message()}, 0)
+            algo.server_step(1)
+            assert any(not torch.equal(first[k], algo.fine_tune_momentum[k]) for k in first)
+
+
+@pytest.mark.parametrize("sbn_batch", [None, 5])
+def test_sbn_pass_runs_at_its_own_batch(monkeypatch, sbn_batch) -> None:
+    # The authors' sBN pass runs at 250 while the clients train at 10: sbn_batch_size sets it for the
+    # server's and the clients' sums (null: train_args.batch_size, B_m = 8 here)
+    batches: list[int] = []
+    original = semifl_module.bn_sums
+
+    def spy(model, pipeline, images, idx, batch_size):
+        batches.append(batch_size)
+        return original(model, pipeline, images, idx, batch_size)
+
+    monkeypatch.setattr(semifl_module, "bn_sums", spy)
+    algo = _algo(threshold=0.0, sbn_batch_size=sbn_batch)
+    algo.server_step(0)
+    algo.client_update(algo.message_for(0, 0), _client(algo), {}, ClientContext(0, torch.device("cpu"), 0))
+    assert batches == [sbn_batch or 8] * 2  # the server's sums, then the client's

@@ -66,6 +66,7 @@ from ..training import BatchStream, InputPipeline, cpu_state
 from .base import AlgorithmConfig, ClientContext, ClientData, Message, client_records_state, message_nbytes
 from .disjoint import DisjointJob, DisjointResult, run_disjoint, run_disjoint_stacked
 from .global_model import GlobalModelAlgorithm, client_party
+from .local_baselines import ClientModels
 from .registry import register_algorithm
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ SCENARIO_DEFAULTS: dict[str, dict[str, float]] = {
 
 SIGMA, PSI, HELPER = "sigma/", "psi/", "helper{}/"
 """Message key prefixes: ``sigma/<param>``, ``psi/<param>``, ``helper<j>/<param>``."""
+
+
+EVALUATE_MODES = ("global", "local_mean")
+EVAL_PARAMS = ("sigma+psi", "sigma", "psi")
 
 
 @dataclass
@@ -130,6 +135,14 @@ class FedMatchConfig(AlgorithmConfig):
         ``batch`` (default): Phi's two terms are means over the whole unlabeled batch (masked-out
         samples count as zeros). ``confident``: the authors' code, means over the samples whose
         agreement label is kept (Eq. 3's mask), which makes Phi larger by 1 / mask rate.
+    evaluate : str
+        The run's test accuracy: ``global`` (default; Table 1) the global model's; ``local_mean``
+        (Table 2's "averaged local model accuracy") the mean over every client that has trained of
+        its own local model ``sigma_k + psi_k`` as it last sent it (min and max are logged too).
+    eval_params : str
+        The parameters of every evaluated model (Fig. 6 (b), the decomposition's ablation):
+        ``sigma+psi`` (default, theta), ``sigma`` (psi dropped) or ``psi`` (sigma dropped). Training and
+        the exported model are unchanged.
     """
 
     lambda_s: float = 10.0
@@ -152,6 +165,8 @@ class FedMatchConfig(AlgorithmConfig):
     momentum: float = 0.0
     probe_size: int = 1
     phi_average: str = "batch"
+    evaluate: str = "global"
+    eval_params: str = "sigma+psi"
 
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
@@ -185,6 +200,10 @@ class FedMatchConfig(AlgorithmConfig):
             raise ConfigError(f"ssfl_args.probe_size: {self.probe_size} must be >= 1")
         if self.phi_average not in ("batch", "confident"):
             raise ConfigError(f"ssfl_args.phi_average: {self.phi_average!r} is not one of batch, confident")
+        if self.evaluate not in EVALUATE_MODES:
+            raise ConfigError(f"ssfl_args.evaluate: {self.evaluate!r} is not one of {', '.join(EVALUATE_MODES)}")
+        if self.eval_params not in EVAL_PARAMS:
+            raise ConfigError(f"ssfl_args.eval_params: {self.eval_params!r} is not one of {', '.join(EVAL_PARAMS)}")
         c = psi_pull(self.lambda_l2, cfg.train_args.learning_rate, cfg.train_args.local_steps, self.momentum)
         if c > PULL_WARNING:
             log.warning(
@@ -425,7 +444,33 @@ class FedMatch(GlobalModelAlgorithm):
         self._round: int | None = None
         self._sent: dict[int, tuple[int, int, int]] = {}  # this round: client -> (bytes, values, helpers)
         self._helper_plan: dict[int, list[int]] = {}
+        self.local_models: dict[int, dict[str, torch.Tensor]] = {}  # evaluate: local_mean, each client's theta_k
         self._refresh_global()
+
+    def eval_state(
+        self, sigma: dict[str, torch.Tensor], psi: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A model's state dict from its parts, with ``eval_params``' parameters (theta, sigma or psi)."""
+        lay, which = self.layout(), self.config.eval_params
+        params = {
+            n: sigma[n] + psi[n] if which == "sigma+psi" else (sigma[n] if which == "sigma" else psi[n])
+            for n in lay.params
+        }
+        return {k: params[k] if k in params else buffers[k] for k in lay.order}
+
+    def evaluation_models(self) -> Sequence[nn.Module]:
+        """``evaluate: global``: the global model (with ``eval_params``' parameters); ``local_mean``: every
+        client that has trained, its own local model (Table 2), or the global model before any has."""
+        cfg = self.config
+        if cfg.evaluate == "global" and cfg.eval_params == "sigma+psi":
+            return [self.global_model()]
+        if self._eval_model is None:
+            self._eval_model = self.model_fn()
+        if cfg.evaluate == "local_mean" and self.local_models:
+            states = [self.local_models[k] for k in sorted(self.local_models)]
+        else:
+            states = [self.eval_state(self.sigma, self.psi, self.buffers)]
+        return ClientModels(self._eval_model, states)
 
     def server_step(self, round_idx: int) -> None:
         """Labels-at-server (Algorithm 2, lines 4-8): train sigma on the server's labels, psi frozen."""
@@ -537,6 +582,8 @@ class FedMatch(GlobalModelAlgorithm):
         self._refresh_global()
         for k, (sigma_k, psi_k, bufs) in updated.items():  # EmbedLocalModel (Algorithm 1 line 8)
             self.client_psi[k] = {n: sparsify(psi_k[n], 0.0) for n in lay.params}
+            if self.config.evaluate == "local_mean":  # Table 2: the client's own model as it sent it
+                self.local_models[k] = self.eval_state(sigma_k, psi_k, bufs)
             self.embeddings[k] = self.embed({n: sigma_k[n] + psi_k[n] for n in lay.params}, bufs)
         n_params = sum(t.numel() for t in self.sigma.values())
         up = [message_nbytes(m) for m in replies.values()]
@@ -574,6 +621,7 @@ class FedMatch(GlobalModelAlgorithm):
             "views": client_records_state(self.views),
             "client_psi": client_records_state(self.client_psi),
             "embeddings": dict(self.embeddings),
+            "local_models": {k: dict(v) for k, v in self.local_models.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -583,6 +631,7 @@ class FedMatch(GlobalModelAlgorithm):
         self.views = {int(k): dict(v) for k, v in state["views"].items()}
         self.client_psi = {int(k): dict(v) for k, v in state["client_psi"].items()}
         self.embeddings = {int(k): v for k, v in state["embeddings"].items()}
+        self.local_models = {int(k): dict(v) for k, v in state.get("local_models", {}).items()}
         self._round = None
         self._refresh_global()
 

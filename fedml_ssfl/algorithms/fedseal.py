@@ -195,6 +195,10 @@ class FedSEALConfig(AlgorithmConfig):
         class (Sec. 5.2.4's comparison); the validation set is then not needed.
     negative_learning : bool
         Use the negative set and loss (default); false trains on the positive set only.
+    log_class_thresholds : bool
+        Log each class's threshold tau_m^t of the round as ``threshold_c<m>`` in the round's metrics
+        (default true; the paper's Fig. 4 shows them, the per-class mean confidence on the validation set,
+        for the final model, whose values are the last checkpoint's ``thresholds``). False logs the mean only.
     """
 
     theta: float = 0.05
@@ -208,6 +212,7 @@ class FedSEALConfig(AlgorithmConfig):
     self_ensemble: bool = True
     fixed_threshold: float | None = None
     negative_learning: bool = True
+    log_class_thresholds: bool = True
 
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
@@ -337,12 +342,15 @@ class FedSEAL(JobAlgorithm):
         # Eq. 2: uniform average of the clients' models; with no client model, keep w^t.
         self.base_state = weighted_average(live) if live else self.global_state
         finite = self.thresholds[torch.isfinite(self.thresholds)]
-        return {
+        metrics = {
             "clients_sent": float(len(live)),
             "threshold_mean": float(finite.mean()) if finite.numel() else float("nan"),
             "lambda": self.config.positive_weight(round_idx),
             "server_lr": self.round_lr(round_idx),
         }
+        if self.config.log_class_thresholds:  # Fig. 4's values: the round's tau_m^t, the ones its clients filtered with
+            metrics |= {f"threshold_c{m}": float(t) for m, t in enumerate(self.thresholds.tolist())}
+        return metrics
 
     def finalize(self) -> None:
         """One more server update (Eq. 3/4) on the last clients' average: the final model."""

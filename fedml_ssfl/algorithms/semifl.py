@@ -24,7 +24,9 @@ Defaults where the paper defers to its appendix (the authors' code): tau 0.95, a
 lambda 1 (the text), gradient clipping to 1, Nesterov momentum 0.9, server momentum 0.5.
 ``sbn``: ``federated`` (server data when the model goes out, then server + client sums for the
 evaluated model), ``server``, ``all_data_nonfederated`` (the authors': reads every client's images),
-``off``. Table 2 switches: ``fine_tune``, ``pseudo_labels: batch``, ``final_fine_tune``.
+``off``. Table 2 switches, as the authors ran them: ``fine_tune: false`` (the parallel server weighs
+1/2 in the average, ``parallel_server_weight``), ``pseudo_labels: batch`` (L_fix alone on each batch's
+confident samples, ``batch_loss``), ``final_fine_tune``.
 
 Deviations:
 
@@ -37,6 +39,11 @@ Deviations:
 * A client's views are drawn a chunk of steps at a time (:data:`VIEW_CHUNK_VALUES`): the same
   equations, another order of random numbers, one augmentation call per chunk.
 * ``server_steps`` and ``local_epochs: null`` replace epochs by a fixed number of steps.
+* The sBN pass runs at ``sbn_batch_size`` (default: the clients' training batch; the authors' 250,
+  which the paper configs set).
+* ``pseudo_labels: batch`` forwards only the confident samples' strong view in train mode (the authors
+  also run the batch's weak view through the model in train mode, which moves BatchNorm's running
+  statistics but no loss).
 * The learning rate is ``train_args.lr_schedule`` once per round (the authors: cosine annealing,
   ``lr_schedule: cosine_annealing``); the final fine-tune uses the last round's rate.
 
@@ -82,6 +89,7 @@ from .registry import register_algorithm
 log = logging.getLogger(__name__)
 
 SBN_MODES = ("federated", "server", "all_data_nonfederated", "off")
+BATCH_LOSSES = ("fix", "fix_mix")
 
 VIEW_CHUNK_VALUES = 2**20
 """A client's steps have their augmented views made together in chunks of about this many input values
@@ -295,14 +303,26 @@ class SemiFLConfig(AlgorithmConfig):
         (paper: E epochs; code: 5). None: ``train_args.local_steps`` steps instead.
     fine_tune : bool
         Table 2's "fine-tune global model with labeled data" (true); false: the server trains in
-        parallel and is averaged with the clients as one model.
+        parallel on the model it sends and its result enters the average (``parallel_server_weight``).
+    parallel_server_weight : float or None
+        With ``fine_tune: false``, the parallel server model's weight in the average, the M_t
+        clients sharing the rest equally (code: 1/2, the authors' ``update_parallel``; the server
+        alone when no client sends). None: the server is one of M_t + 1 equal models.
     pseudo_labels : str
         Table 2's "generate pseudo-labels with global model": ``global`` (default) or ``batch``.
+    batch_loss : str
+        With ``pseudo_labels: batch``, the client's loss on each batch's confident samples: ``fix``
+        (default; the authors' fix-batch ablation, L_fix = CE(f(A(x)), y_hat) only) or ``fix_mix``
+        (L_fix + lambda L_mix of Eq. 6 within the batch).
     final_fine_tune : bool
         Fine-tune (+ sBN) once more after the last round (paper, Algorithm 1: true).
     sbn : str
         ``federated`` (default), ``server``, ``all_data_nonfederated`` (code) or ``off`` (see
         the module docstring).
+    sbn_batch_size : int or None
+        The batch of the sBN pass (each batch is normalised by its own statistics in that pass, so
+        the deeper layers' sums depend on it): None, ``train_args.batch_size`` (B_m); the authors'
+        code: 250.
     """
 
     threshold: float = 0.95
@@ -318,13 +338,16 @@ class SemiFLConfig(AlgorithmConfig):
     server_steps: int | None = None
     local_epochs: int | None = 5
     fine_tune: bool = True
+    parallel_server_weight: float | None = 0.5
     pseudo_labels: str = "global"
+    batch_loss: str = "fix"
     final_fine_tune: bool = True
     sbn: str = "federated"
+    sbn_batch_size: int | None = None
 
     def check(self, cfg) -> None:
         """Cross-checks against the experiment config (raises :class:`ConfigError`)."""
-        choices = {"pseudo_labels": ("global", "batch"), "sbn": SBN_MODES}
+        choices = {"pseudo_labels": ("global", "batch"), "sbn": SBN_MODES, "batch_loss": BATCH_LOSSES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
@@ -336,6 +359,11 @@ class SemiFLConfig(AlgorithmConfig):
         for key in ("loss_lambda", "clip_norm"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"ssfl_args.{key}: {getattr(self, key)} must be >= 0")
+        w = self.parallel_server_weight
+        if w is not None and not (math.isfinite(w) and 0.0 < w < 1.0):
+            raise ConfigError(
+                f"ssfl_args.parallel_server_weight: {w} must lie in (0, 1) (or null: one of M_t + 1 equal models)"
+            )
         if not 0.0 <= self.server_momentum < 1.0:
             raise ConfigError(f"ssfl_args.server_momentum: {self.server_momentum} must lie in [0, 1)")
         if self.server_epochs < 0:
@@ -346,6 +374,10 @@ class SemiFLConfig(AlgorithmConfig):
             raise ConfigError(
                 f"ssfl_args.server_batch_size: {self.server_batch_size} must be >= 1 "
                 "(or null for train_args.batch_size)"
+            )
+        if self.sbn_batch_size is not None and self.sbn_batch_size < 1:
+            raise ConfigError(
+                f"ssfl_args.sbn_batch_size: {self.sbn_batch_size} must be >= 1 (or null for train_args.batch_size)"
             )
         if self.server_steps is not None and self.server_steps < 0:
             raise ConfigError(
@@ -395,6 +427,11 @@ class SemiFL(GlobalModelAlgorithm):
         return self.config.server_batch_size or self.train.batch_size
 
     @property
+    def sbn_batch_size(self) -> int:
+        """The sBN pass's batch: ``sbn_batch_size``, else ``train_args.batch_size``."""
+        return self.config.sbn_batch_size or self.train.batch_size
+
+    @property
     def server_steps(self) -> int:
         """Fine-tune steps per round: ``server_steps``, else ``server_epochs`` x batches of B_s per epoch."""
         if self.config.server_steps is not None:
@@ -432,7 +469,7 @@ class SemiFL(GlobalModelAlgorithm):
             return cpu_state(model)
         gen = seeding.generator(self.seed, "semifl-server", tag, round_idx)
         opt = self.make_sgd(model, self.round_lr(round_idx))
-        persistent = self.config.persistent_optimizer and tag != "parallel"
+        persistent = self.config.persistent_optimizer  # the parallel server's too (the authors' one server SGD)
         if persistent:
             load_momentum_buffers(opt, model, self.fine_tune_momentum)
         self.server_supervised_steps(
@@ -460,7 +497,7 @@ class SemiFL(GlobalModelAlgorithm):
         else:
             idx = torch.cat([sd.labeled_idx, sd.val_idx])
         model = self.scratch_model(weights, self.device, slot="server")
-        return bn_sums(model, InputPipeline(self.data_info, self.device), sd.images, idx, self.train.batch_size)
+        return bn_sums(model, InputPipeline(self.data_info, self.device), sd.images, idx, self.sbn_batch_size)
 
     def _with_sbn(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._server_sums = self._server_bn_sums(weights)
@@ -496,11 +533,15 @@ class SemiFL(GlobalModelAlgorithm):
     def aggregate(self, replies: dict[int, Message], round_idx: int) -> dict[str, float]:
         live = [m for m in replies.values() if not m.is_empty]
         states = [m.weights for m in live]
+        weights = [1.0] * len(states)
         if self._parallel_state is not None:
             states.append(self._parallel_state)
+            w = self.config.parallel_server_weight
+            # the authors' update_parallel: the server 1/2, the clients 1/(2 M_t) each (the server alone: 1)
+            weights = [(1.0 - w) / len(live)] * len(live) + [w] if w is not None and live else [1.0] * len(states)
         sent = self.global_state
         if states:
-            avg = weighted_average(states)
+            avg = weighted_average(states, weights)
             self.base_state, self.momentum_buffer = server_momentum_step(
                 sent,
                 avg,
@@ -566,7 +607,7 @@ class SemiFL(GlobalModelAlgorithm):
         """The reply's ``bn_sums`` under ``sbn: federated`` (the received model's statistics of the data)."""
         if self.config.sbn != "federated":
             return {}
-        sums = bn_sums(model, pipeline, data.images, data.unlabeled_idx, self.train.batch_size)
+        sums = bn_sums(model, pipeline, data.images, data.unlabeled_idx, self.sbn_batch_size)
         return {"bn_sums": sums} if sums else {}
 
     def client_updates_stacked(
@@ -810,7 +851,8 @@ class SemiFL(GlobalModelAlgorithm):
         ctx: ClientContext,
         state: dict[str, Any],
     ) -> tuple[dict[str, float], bool]:
-        """Table 2 ablation: pseudo-label each batch with the model being trained."""
+        """Table 2 ablation: pseudo-label each batch with the model being trained, then train on the
+        batch's confident samples (``batch_loss``: L_fix alone, the authors', or L_fix + lambda L_mix)."""
         bs = self.train.batch_size
         if self.config.local_epochs is None:
             stream = BatchStream(data.unlabeled_idx, bs, gen)
@@ -828,6 +870,10 @@ class SemiFL(GlobalModelAlgorithm):
                 return None  # no confident sample: no step
             kept += sets.fix.numel()
             model.train()
+            if self.config.batch_loss == "fix":  # the authors' fix-batch: L_fix = CE(f(A(x)), y_hat) only
+                x_strong = pipeline.strong(pipeline.raw(data.images[b[sets.fix]]), gen)
+                loss = F.cross_entropy(model(x_strong), sets.fix_labels.to(x_strong.device))
+                return Step(loss, {}, pseudo=sets.pseudo, truth=data.labels[b])
             out = self._step(
                 model, pipeline, data.images, b[sets.fix], sets.fix_labels, b[sets.mix], sets.mix_labels, gen
             )
