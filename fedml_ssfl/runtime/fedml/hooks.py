@@ -158,21 +158,7 @@ class SSFLAggregator(ServerAggregator):
         cfg = config_of(self.args)
         if not script_data(cfg):
             return server_runtime(cfg)
-        from ...data.fedml_lists import server_dataset
-        from ...models.script import script_model_factory
-
-        d = cfg.data_args
-        data, shape = server_dataset(
-            self.dataset,
-            num_server_labels=d.num_server_labels,
-            num_server_val=d.num_server_val,
-            seed=cfg.common_args.random_seed,
-            mean=d.norm_mean,
-            std=d.norm_std,
-            flip=d.flip,
-            name=d.dataset,
-        )
-        factory = script_model_factory(self.model, data.num_classes, data.in_channels, data.image_size, shape)
+        data, factory = ScriptPieces(self.dataset, self.model).server_data(cfg)
         return server_runtime(with_script_model(cfg, self.model), data, factory)
 
     def _payloads(self) -> dict[int, Any]:
@@ -265,7 +251,7 @@ class SSFLTrainer(ClientTrainer):
             source = None
             if script_data(cfg):
                 cfg = with_script_model(cfg, self.model)
-                source = _ScriptSilo(cfg, self.dataset, self.model, rank)
+                source = ScriptPieces(self.dataset, self.model).silo_source(cfg, rank)
             self._worker = SiloWorker(_with_device(cfg, rank), rank, source=source)
         return self._worker
 
@@ -310,6 +296,37 @@ class _ScriptSilo:
         )
         factory = script_model_factory(self.model, meta.num_classes, meta.in_channels, meta.image_size, shape)
         return data, factory
+
+
+@dataclasses.dataclass
+class ScriptPieces:
+    """A FedML script's dataset list and model, as :func:`~.run.run_fedml` takes them (its ``script``)."""
+
+    dataset: Any
+    model: torch.nn.Module
+
+    def server_data(self, cfg: ExperimentConfig) -> tuple[ImageDataset, Any]:
+        """The server's labeled, validation and test sets from the list, and the model factory."""
+        from ...data.fedml_lists import server_dataset
+        from ...models.script import script_model_factory
+
+        d = cfg.data_args
+        data, shape = server_dataset(
+            self.dataset,
+            num_server_labels=d.num_server_labels,
+            num_server_val=d.num_server_val,
+            seed=cfg.common_args.random_seed,
+            mean=d.norm_mean,
+            std=d.norm_std,
+            flip=d.flip,
+            name=d.dataset,
+        )
+        factory = script_model_factory(self.model, data.num_classes, data.in_channels, data.image_size, shape)
+        return data, factory
+
+    def silo_source(self, cfg: ExperimentConfig, rank: int) -> _ScriptSilo:
+        """Rank ``rank``'s silo (``rank - 1``) from the list, built once the server's metadata arrives."""
+        return _ScriptSilo(cfg, self.dataset, self.model, rank)
 
 
 # ---- FedMLRunner's inputs ---------------------------------------------------------------------
@@ -415,6 +432,108 @@ def cli_settings(argv: list[str]) -> list[str]:
         elif word.startswith("--set="):
             out.append(word[len("--set=") :])
     return out
+
+
+@dataclasses.dataclass
+class ScriptFlags:
+    """What a script's command line asks of the run, beside FedML's own flags and ``--set``."""
+
+    resume: str | None = None
+    stop_after: int | None = None
+
+
+def script_flags(argv: list[str]) -> ScriptFlags:
+    """``--resume RUN_DIR`` and ``--stop-after N`` on a script's command line (as in ``fedml-ssfl run``)."""
+    flags, it = ScriptFlags(), iter(argv)
+    for word in it:
+        name, eq, value = word.partition("=")
+        if name not in ("--resume", "--stop-after"):
+            continue
+        if not eq:
+            value = next(it, None)
+        if not value:
+            raise ConfigError(f"{name} needs a value: --resume RUN_DIR (a run folder), --stop-after N (rounds)")
+        if name == "--resume":
+            flags.resume = value
+            continue
+        try:
+            flags.stop_after = int(value)
+        except ValueError:
+            raise ConfigError(f"--stop-after {value}: give a number of rounds >= 1") from None
+        if flags.stop_after < 1:
+            raise ConfigError(f"--stop-after {value}: give a number of rounds >= 1")
+    return flags
+
+
+def stock_transport(cfg: ExperimentConfig) -> bool:
+    """Whether the script asked for FedML's own managers and transport (``comm_args.fedml_stock_transport``)."""
+    return bool(cfg.comm_args.fedml_stock_transport)
+
+
+def run_script(args, dataset: Any, model: Any) -> RunResult | None:
+    """A FedML script's party on the package's runtime: :func:`~.run.run_fedml` with the script's pieces.
+
+    What ``FedMLRunner(...).run()`` does with :class:`SSFLTrainer` / :class:`SSFLAggregator` (unless
+    ``comm_args.fedml_stock_transport: true``): the same managers, transports (under GRPC mutual TLS
+    and the job key from ``comm_args``, or ``insecure: true`` for plaintext envelopes), run folder,
+    ``--resume RUN_DIR`` / ``--stop-after N`` and progress lines as ``fedml-ssfl run``. The dataset
+    list and module are the data and model (a config naming data files: its files and
+    ``model_args.model``). The server logs a line per round and, at the end, one line with the
+    result and the run folder; the script's model then holds the global model.
+    """
+    from .run import run_fedml
+
+    cfg = config_of(args)
+    flags = script_flags(sys.argv[1:])
+    pieces = None
+    if script_data(cfg):
+        cfg = with_script_model(cfg, model)
+        pieces = ScriptPieces(dataset, model)
+    if cfg.comm_args.backend == "MPI":
+        rank, role = None, None
+    else:
+        rank, role = int(args.rank), getattr(args, "role", None)
+    server = int(args.rank) == 0
+    if server:
+        _progress_lines()
+    result = run_fedml(
+        cfg,
+        rank=rank,
+        role=role,
+        run_dir=Path(flags.resume) if flags.resume else None,
+        resume=flags.resume is not None,
+        stop_after=flags.stop_after,
+        script=pieces,
+    )
+    if result is not None:
+        s = result.summary
+        acc = f"final test acc {100 * result.final_acc:.2f}% (best {100 * result.best_acc:.2f}%)"
+        log.info(
+            "%s [FedML %s]: %s after round %d of %d: %s; outputs: %s",
+            result.algorithm,
+            cfg.comm_args.backend,
+            s.get("status", "completed"),
+            result.rounds_completed,
+            cfg.train_args.comm_round,
+            acc,
+            result.run_dir,
+        )
+    return result
+
+
+def _progress_lines() -> None:
+    """The server's round lines and summary reach stderr where the script configured no logging (FedML's
+    init does not): the package's INFO lines only, not FedML's."""
+    ours = logging.getLogger("fedml_ssfl")
+    if ours.handlers or logging.getLogger().handlers:
+        if ours.level == logging.NOTSET:
+            ours.setLevel(logging.INFO)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def script_config(path: str, run_id: Any = None, argv: list[str] | None = None) -> ExperimentConfig:
@@ -546,6 +665,8 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
             cfg = script_config(getattr(args, "yaml_config_file", "") or "", getattr(args, "run_id", None))
         path = args.yaml_config_file
         K = worker_count(cfg)
+        stock = stock_transport(cfg)
+        script_flags(sys.argv[1:] if script else [])  # a bad --resume / --stop-after named now
         if cfg.comm_args.backend == "MPI":
             mpi_rank(cfg, None, None)  # the process count, before FedML asserts it
             from fedml.core.distributed.communication.message import Message as FedMessage
@@ -554,14 +675,22 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
             meter = WireMeter(FedMessage)  # FedML's MPI messages through the codec, not pickle, counted
             MPI.pickle.__init__(meter.dumps, meter.loads)
         else:
-            if not cfg.comm_args.insecure:
+            if stock and not cfg.comm_args.insecure:
                 raise ConfigError(
-                    f"{path}: FedML's stock GRPC transport unpickles what reaches its port and has no TLS or job "
-                    "key: run this deployment with `fedml-ssfl run` (TLS, job key, no pickle), or set "
-                    "comm_args.insecure: true to accept that on a network you trust"
+                    f"{path}: comm_args.fedml_stock_transport: FedML's stock GRPC transport unpickles what reaches "
+                    "its port and has no TLS or job key: remove the key (the script then runs on fedml_ssfl's "
+                    "transport: TLS, job key, no pickle), or also set comm_args.insecure: true to accept that on a "
+                    "network you trust"
                 )
-            log.warning("FedML's stock GRPC transport: plaintext, unauthenticated, and it unpickles what it receives")
             grpc_rank(cfg, int(args.rank), getattr(args, "role", None))
+        if stock and rank == 0:
+            log.warning(
+                "comm_args.fedml_stock_transport: FedML's own managers and transport run this job: no outboxes, "
+                "heartbeats, outage budget, --resume or progress lines%s",
+                "; under GRPC plaintext, unauthenticated, and it unpickles what it receives"
+                if cfg.comm_args.backend == "GRPC"
+                else "",
+            )
         if script:
             exit_on_error(rank, cfg.comm_args.backend)
         t, d = cfg.train_args, cfg.device_args
@@ -702,11 +831,17 @@ def _install() -> None:
     def server(self, args, device, dataset, model, server_aggregator=None):
         if isinstance(server_aggregator, SSFLAggregator):
             server_aggregator.receive(dataset, model)
+            if server_aggregator.owns_runtime and not stock_transport(config_of(args)):
+                server_aggregator.result = run_script(args, dataset, model)  # FedML's server also runs here
+                return
         server_init(self, args, device, dataset, model, server_aggregator)
 
     def client(self, args, device, dataset, model, model_trainer=None):
         if isinstance(model_trainer, SSFLTrainer):
             model_trainer.receive(dataset, model)
+            if model_trainer._worker is None and not stock_transport(config_of(args)):
+                run_script(args, dataset, model)
+                return
         client_init(self, args, device, dataset, model, model_trainer)
 
     FedMLCrossSiloServer.__init__, FedMLCrossSiloClient.__init__ = server, client
@@ -723,6 +858,8 @@ __all__ = [
     "exit_on_error",
     "init",
     "load_data",
+    "run_script",
     "script_config",
+    "script_flags",
     "server_runtime",
 ]
