@@ -220,3 +220,29 @@ def test_fedmls_grpc_example_edited_as_the_docs_say_runs_with_mutual_tls_and_res
     assert stderr.rstrip().endswith(f"outputs: {run_dir}") or f"outputs: {run_dir}" in stderr
     assert "plaintext" not in stderr and "unpickles" not in stderr  # TLS and the job key: no stock transport
     assert_same_model(saved_model(run_dir), in_process_model(tmp_path / "job", config, tmp_path / "reference"))
+
+
+def test_every_transport_implements_what_the_managers_use():
+    """The seam: the managers reach their transport only through ``Transport``'s names, and the MPI and
+    GRPC classes have every one of them (a transport added later implements the same list)."""
+    import ast
+    import inspect
+
+    from fedml_ssfl.runtime.fedml import managers, transports
+    from fedml_ssfl.runtime.fedml.transport import Transport
+
+    names = {n for n in dir(Transport) if not n.startswith("_")} | set(Transport.__annotations__)
+    for cls in (transports.QuietMpiComm, transports.QuietGrpcComm):
+        missing = sorted(n for n in names if not hasattr(cls, n) and n not in ("heard",))
+        assert not missing, (cls.__name__, missing)
+    assert hasattr(transports.QuietMpiComm, "heard")  # a property there, an attribute on GRPC's
+    used = set()
+    for node in ast.walk(ast.parse(inspect.getsource(managers))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            if node.value.attr in ("transport", "com_manager") or (
+                isinstance(node.value.value, ast.Name) and node.value.attr == "comm"
+            ):
+                used.add(node.attr)
+    used -= {"transport"}
+    assert used and used <= names, sorted(used - names)
+    assert set(transports.TRANSPORTS) == {"MPI", "GRPC"}
