@@ -41,17 +41,25 @@ reads its own file, the model comes from ``model_args.model``).
     (``--debug`` on the command line adds the traceback): MPI ranks call ``MPI_Abort``, GRPC
     processes exit 1.
 
-``fedml-ssfl run`` drives the same two classes with FedML's managers subclassed (round and
-connection timeouts, ``--resume``, ``--stop-after``, wire-byte counts, the simulation mode).
+``FedMLRunner``'s run
+    The wrapped ``FedMLCrossSiloServer`` / ``FedMLCrossSiloClient`` (below) run this process's
+    party with :func:`~fedml_ssfl.runtime.fedml.run.run_fedml`, the function ``fedml-ssfl run``
+    calls (:func:`run_script`): the package's managers and transports (under GRPC mutual TLS and
+    the job key of ``comm_args``), round, connection and outage limits, the run folder,
+    ``--resume RUN_DIR`` / ``--stop-after N`` from the script's command line, a progress line per
+    round and a closing line naming the run folder. ``comm_args.fedml_stock_transport: true`` keeps
+    FedML's own managers and transport instead (these two classes inside them, with a warning).
 
 Importing this module imports FedML (``import fedml_ssfl`` does not).
 
 Deviations
 ----------
-* FedML's ``ServerAggregator`` sees the dataset only through ``test``; the server needs its
-  labeled set before round 1, so FedML's ``FedMLCrossSiloServer`` / ``FedMLCrossSiloClient`` (the
-  classes ``FedMLRunner`` builds) are wrapped to hand this module's aggregator / trainer the list
-  and the model they receive, and check the list before FedML indexes it.
+* FedML's ``FedMLCrossSiloServer`` / ``FedMLCrossSiloClient`` (the classes ``FedMLRunner`` builds,
+  whose constructors run FedML's whole job) are wrapped: given this module's aggregator / trainer
+  they check the list and model and run the party on the package's runtime instead of FedML's
+  managers (FedML's ``ServerAggregator`` sees the dataset only through ``test``, and its managers
+  have no TLS, outage budget or resume); with ``comm_args.fedml_stock_transport`` they hand the
+  list and model to this module's classes and run FedML's own.
 """
 
 from __future__ import annotations
@@ -635,10 +643,10 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
     job with one line (module docstring).
 
     Under MPI, FedML's messages then travel through :mod:`~fedml_ssfl.runtime.fedml.wire` instead of
-    pickle (``MPI.pickle`` is replaced for the process). Under GRPC FedML's stock transport still
-    unpickles what reaches its port, with no TLS and no job key: it runs only with
-    ``comm_args.insecure: true`` (on a network you trust); ``fedml-ssfl run``'s GRPC transport has the
-    codec, TLS and the job key.
+    pickle (``MPI.pickle`` is replaced for the process). ``FedMLRunner`` then runs on the package's
+    runtime (:func:`run_script`); only with ``comm_args.fedml_stock_transport: true`` on FedML's own
+    managers and transport, which under GRPC unpickles what reaches its port, with no TLS and no job
+    key: then it runs only with ``comm_args.insecure: true`` as well (on a network you trust).
 
     Called with FedML args that name no YAML (``fedml-ssfl run``'s own), it is FedML's init unchanged.
 
@@ -646,7 +654,8 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
     ------
     ConfigError
         No config, a config FedMLRunner cannot run (:func:`script_config`), the wrong process count
-        (naming the right ``-np``), or GRPC without ``comm_args.insecure: true``.
+        (naming the right ``-np``), a bad ``--resume`` / ``--stop-after``, or FedML's stock GRPC
+        transport (``comm_args.fedml_stock_transport``) without ``comm_args.insecure: true``.
     """
     original = _ORIGINAL_INIT
     if args is not None and not getattr(args, "yaml_config_file", ""):
