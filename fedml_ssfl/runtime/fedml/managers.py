@@ -34,7 +34,7 @@ from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
 from fedml.cross_silo.server.message_define import MyMessage
 
 from ...errors import error_line
-from .hooks import UPLOAD_KEY, SSFLAggregator, unwrap
+from .adapters import UPLOAD_KEY, SSFLAggregator, unwrap
 from .payloads import encode
 from .protocol import Failure, Finish, Reply
 from .security import (

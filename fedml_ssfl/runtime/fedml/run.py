@@ -1,8 +1,8 @@
 """``run_fedml``: this process's part of a FedML cross-silo job (server on rank 0, a worker elsewhere).
 
 Every door into a FedML job ends here: ``fedml-ssfl run --cf CONFIG`` (the package's datasets and
-models) and a FedML script's ``FedMLRunner(...).run()`` with :class:`~.hooks.SSFLTrainer` /
-:class:`~.hooks.SSFLAggregator` (its dataset list and ``nn.Module``, passed as :class:`ScriptParts`).
+models) and a FedML script's ``FedMLRunner(...).run()`` with :class:`~.adapters.SSFLTrainer` /
+:class:`~.adapters.SSFLAggregator` (its dataset list and ``nn.Module``, passed as :class:`ScriptParts`).
 Both get the same managers (:mod:`.managers`), transports (:mod:`.transport`), security, run folder,
 ``--resume`` / ``--stop-after`` and progress lines; only where the data and the model come from differs.
 """
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 
 class ScriptParts(Protocol):
-    """A FedML script's own data and model, as :func:`run_fedml` takes them (:class:`~.hooks.ScriptPieces`)."""
+    """A FedML script's own data and model, as :func:`run_fedml` takes them (:class:`~.adapters.ScriptPieces`)."""
 
     model: torch.nn.Module
 
@@ -158,7 +158,7 @@ def run_fedml(
                 mpi_pickle = MPI.pickle
                 MPI.pickle.__init__(meter.dumps, meter.loads)
             from . import managers  # FedML's classes: imported only now, offline
-            from .hooks import SSFLAggregator
+            from .adapters import SSFLAggregator
 
             workers = worker_count(cfg)
             try:
@@ -237,7 +237,7 @@ def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, back
     from fedml.cross_silo.client.fedml_trainer_dist_adapter import TrainerDistAdapter
 
     from . import managers
-    from .hooks import SSFLTrainer
+    from .adapters import SSFLTrainer
 
     if isinstance(worker, SiloWorker):
         silos, counts, model, device = {worker.silo: worker.silo}, {worker.silo: 0}, torch.nn.Identity(), "cpu"
