@@ -210,6 +210,9 @@ class CommArgs:
     tls_server_name: str = ""  # the name peers' certificates carry, where it is not their ipconfig address
     job_key_file: str = ""
     insecure: bool = False
+    # a FedML script's FedMLRunner only: true runs it on FedML's own managers and transport (no outboxes,
+    # heartbeats, outage budget or --resume; under GRPC pickles in plaintext, so also insecure: true)
+    fedml_stock_transport: bool = False
 
 
 @dataclass

@@ -255,12 +255,15 @@ def test_deployment_needs_its_files_named(tmp_path):
         load_config(None, [*base, *files, "data_args.test_data=FedMLRunner"])
 
 
-def test_fedml_runner_script_with_fedmls_own_managers_ends_with_the_simulators_model(deployment, tmp_path):
-    """deploy/fedml_runner.py: FedML's FedMLRunner and stock managers around the public trainer and aggregator."""
+@pytest.mark.parametrize("stock", [False, True], ids=["package_runtime", "fedml_stock_transport"])
+def test_fedml_runner_script_ends_with_the_simulators_model(deployment, tmp_path, stock):
+    """deploy/fedml_runner.py: FedML's FedMLRunner with the public trainer and aggregator, on the package's
+    runtime (run_fedml: progress lines, the run folder named), or on FedML's own managers when asked."""
     import yaml
 
     raw = yaml.safe_load(Path(deployment["config"]).read_text())
     raw["common_args"]["run_name"] = "stock_runner"
+    raw["comm_args"]["fedml_stock_transport"] = stock
     config = tmp_path / "fedml_config.yaml"
     config.write_text(yaml.safe_dump(raw))
     runner = Path(__file__).resolve().parents[1] / "deploy" / "fedml_runner.py"
@@ -275,6 +278,9 @@ def test_fedml_runner_script_with_fedmls_own_managers_ends_with_the_simulators_m
     assert [r["test_acc"] for r in metrics(run_dir)] == [r["test_acc"] for r in metrics(deployment["local"].run_dir)]
     wire = [(r.get("round"), r["wire_bytes_up"], r["wire_bytes_down"]) for r in metrics(run_dir)]
     assert all(up > 0 and down > 0 for _, up, down in wire), wire  # measured on MPI
+    said = proc.stdout + proc.stderr
+    assert ("FedML's own managers and transport run this job" in said) == stock
+    assert (f"outputs: {run_dir}" in said) == (not stock), said[-3000:]  # the package's closing line
 
 
 def test_fedml_runner_refuses_a_simulation_config(tmp_path):
@@ -299,7 +305,8 @@ def test_fedml_runner_refuses_a_simulation_config(tmp_path):
 
 
 def test_fedml_runner_over_grpc_needs_insecure_said_out_loud(deployment, tmp_path):
-    """FedML's stock GRPC transport unpickles and has no TLS or key: refused unless comm_args.insecure."""
+    """FedML's stock GRPC transport, asked for, unpickles and has no TLS or key: refused unless
+    comm_args.insecure; without comm_args.fedml_stock_transport the package's transport runs (TLS)."""
     from types import SimpleNamespace
 
     import yaml
@@ -309,6 +316,11 @@ def test_fedml_runner_over_grpc_needs_insecure_said_out_loud(deployment, tmp_pat
     raw = yaml.safe_load(Path(deployment["config"]).read_text())
     raw["comm_args"]["backend"] = "GRPC"
     config = tmp_path / "grpc.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as ours:  # on to the package's checks: this config names no ipconfig
+        fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, role="server", run_id="0"))
+    assert "unpickles" not in str(ours.value)
+    raw["comm_args"]["fedml_stock_transport"] = True
     config.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="stock GRPC transport unpickles.*comm_args.insecure: true"):
         fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, role="server", run_id="0"))

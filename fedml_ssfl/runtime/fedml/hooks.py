@@ -41,17 +41,25 @@ reads its own file, the model comes from ``model_args.model``).
     (``--debug`` on the command line adds the traceback): MPI ranks call ``MPI_Abort``, GRPC
     processes exit 1.
 
-``fedml-ssfl run`` drives the same two classes with FedML's managers subclassed (round and
-connection timeouts, ``--resume``, ``--stop-after``, wire-byte counts, the simulation mode).
+``FedMLRunner``'s run
+    The wrapped ``FedMLCrossSiloServer`` / ``FedMLCrossSiloClient`` (below) run this process's
+    party with :func:`~fedml_ssfl.runtime.fedml.run.run_fedml`, the function ``fedml-ssfl run``
+    calls (:func:`run_script`): the package's managers and transports (under GRPC mutual TLS and
+    the job key of ``comm_args``), round, connection and outage limits, the run folder,
+    ``--resume RUN_DIR`` / ``--stop-after N`` from the script's command line, a progress line per
+    round and a closing line naming the run folder. ``comm_args.fedml_stock_transport: true`` keeps
+    FedML's own managers and transport instead (these two classes inside them, with a warning).
 
 Importing this module imports FedML (``import fedml_ssfl`` does not).
 
 Deviations
 ----------
-* FedML's ``ServerAggregator`` sees the dataset only through ``test``; the server needs its
-  labeled set before round 1, so FedML's ``FedMLCrossSiloServer`` / ``FedMLCrossSiloClient`` (the
-  classes ``FedMLRunner`` builds) are wrapped to hand this module's aggregator / trainer the list
-  and the model they receive, and check the list before FedML indexes it.
+* FedML's ``FedMLCrossSiloServer`` / ``FedMLCrossSiloClient`` (the classes ``FedMLRunner`` builds,
+  whose constructors run FedML's whole job) are wrapped: given this module's aggregator / trainer
+  they check the list and model and run the party on the package's runtime instead of FedML's
+  managers (FedML's ``ServerAggregator`` sees the dataset only through ``test``, and its managers
+  have no TLS, outage budget or resume); with ``comm_args.fedml_stock_transport`` they hand the
+  list and model to this module's classes and run FedML's own.
 """
 
 from __future__ import annotations
@@ -69,354 +77,34 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 with warnings.catch_warnings():  # requests' version check and pkg_resources, at FedML's import
     warnings.simplefilter("ignore")
-    from fedml.core import ClientTrainer, ServerAggregator
-    from fedml.cross_silo.server.message_define import MyMessage
 
 from ... import envvars
 from ...config import SCRIPT_DATA, ConfigError, ExperimentConfig, derived_run_name, load_config, load_raw
-from ...data import ImageDataset
 from ...errors import error_line
-from ...experiment import build_experiment, deployed, script_data
-from ..common import RunFailed, RunResult, fresh_run_dir, hold_run_folder
-from .launch import _fedml_offline, _with_device, check_server_counts, grpc_rank, mpi_rank, worker_count
-from .payloads import decode, encode
-from .protocol import Finish
-from .server import DeployedServerRuntime, ServerRuntime
+from ...experiment import deployed, script_data
+from ..common import RunFailed, RunResult
+from .adapters import (  # the classes' home; public here
+    DOWN_TYPES,
+    UP_TYPES,
+    UPLOAD_KEY,
+    ConfigModel,
+    FilesPlaceholder,
+    ScriptPieces,
+    SSFLAggregator,
+    SSFLTrainer,
+    check_dataset,
+    config_of,
+    script_data_name,
+    server_runtime,
+    unwrap,
+    with_script_model,
+)
+from .launch import _fedml_offline, grpc_rank, mpi_rank, worker_count
 from .wire import WireMeter
-from .worker import SiloWorker
-
-DOWN_TYPES = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
-UP_TYPES = (MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER,)
-UPLOAD_KEY = "ssfl"
-"""A worker's upload rides in ``{UPLOAD_KEY: Reply | Failure}``: FedML's server treats a model upload
-that is not a dict as a state dict to move to its device."""
-
-
-def unwrap(upload: Any) -> Any:
-    """The protocol record inside a worker's upload (the upload itself when it is not wrapped)."""
-    return upload.get(UPLOAD_KEY, upload) if isinstance(upload, dict) else upload
-
 
 log = logging.getLogger(__name__)
-
-
-class FilesPlaceholder(list):
-    """:func:`load_data`'s list: FedML's eight entries, empty; each rank reads its own files instead."""
-
-
-class ConfigModel(torch.nn.Identity):
-    """:func:`create_model`'s module: the model is ``model_args.model``, built inside the algorithm."""
-
-
-class SSFLAggregator(ServerAggregator):
-    """The server: FedML's ``ServerAggregator`` around a fedml_ssfl server runtime.
-
-    ``get_model_params`` / ``aggregate`` return ``{silo: payload}``; FedML sends each worker the
-    entry of the silo it serves (rank k + 1 serves silo k).
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The script's model (trained: see the module docstring), or :func:`create_model`'s placeholder.
-    args : namespace
-        FedML's args from ``fedml.init()`` (:func:`init`); without ``runtime`` the server's part is
-        built on the first call, from the dataset list and model ``FedMLRunner`` hands over.
-    runtime : ServerRuntime, optional
-        A runtime built by the caller (``fedml-ssfl run`` passes its own).
-    meter : WireMeter, optional
-        Counts the bytes on the wire per round (``fedml-ssfl run``'s transports fill it).
-    """
-
-    def __init__(self, model, args, runtime: ServerRuntime | None = None, meter: WireMeter | None = None):
-        super().__init__(model, args)
-        if runtime is None:
-            config_of(args)  # made by fedml.init(): say so now, not inside FedML's first round
-        self._runtime = runtime
-        self.meter = meter if meter is not None else getattr(args, "ssfl_meter", None)
-        self.owns_runtime = runtime is None  # then nobody else ends the run: this object writes the summary
-        self.dataset: Any = None
-        self._marks = (0, 0)
-        self.result: RunResult | None = None
-
-    def receive(self, dataset: Any, model: torch.nn.Module) -> None:
-        """What ``FedMLRunner`` hands the server: its dataset list and model (checked here, used at round 1)."""
-        self.dataset, self.model = dataset, model
-        if self.owns_runtime:
-            check_dataset(config_of(self.args), dataset, model, 0)
-
-    @property
-    def runtime(self) -> ServerRuntime:
-        if self._runtime is None:
-            self._runtime = self._build_runtime()
-        return self._runtime
-
-    def _build_runtime(self) -> DeployedServerRuntime:
-        cfg = config_of(self.args)
-        if not script_data(cfg):
-            return server_runtime(cfg)
-        from ...data.fedml_lists import server_dataset
-        from ...models.script import script_model_factory
-
-        d = cfg.data_args
-        data, shape = server_dataset(
-            self.dataset,
-            num_server_labels=d.num_server_labels,
-            num_server_val=d.num_server_val,
-            seed=cfg.common_args.random_seed,
-            mean=d.norm_mean,
-            std=d.norm_std,
-            flip=d.flip,
-            name=script_data_name(d.dataset),
-        )
-        factory = script_model_factory(
-            self.model, data.num_classes, data.in_channels, data.image_size, shape, cfg.model_args.logits
-        )
-        return server_runtime(with_script_model(cfg, self.model), data, factory)
-
-    def _payloads(self) -> dict[int, Any]:
-        if self.runtime.done:
-            return {k: Finish() for k in self.runtime.routing()}
-        payloads = self.runtime.begin_round()
-        if self.meter is not None:
-            self._marks = (self.meter.total(self.meter.sent, DOWN_TYPES), self.meter.total(self.meter.recv, UP_TYPES))
-        return {k: encode(p) for k, p in payloads.items()}
-
-    def get_model_params(self):
-        return self._payloads()
-
-    def set_model_params(self, model_parameters):
-        pass  # the server state lives in the algorithm
-
-    def on_before_aggregation(self, raw_client_model_or_grad_list):
-        return raw_client_model_or_grad_list, list(range(len(raw_client_model_or_grad_list)))
-
-    def aggregate(self, raw_client_model_or_grad_list):
-        uploads = [decode(unwrap(p)) for _, p in raw_client_model_or_grad_list]
-        wire = {}
-        if self.meter is not None:
-            wire = {
-                "wire_bytes_up": self.meter.total(self.meter.recv, UP_TYPES) - self._marks[1],
-                "wire_bytes_down": self.meter.total(self.meter.sent, DOWN_TYPES) - self._marks[0],
-            }
-        if not self.owns_runtime:
-            self.runtime.finish_round(uploads, **wire)
-            return self._payloads()
-        try:
-            self.runtime.finish_round(uploads, **wire)
-        except (RunFailed, RuntimeError) as exc:  # a silo failed, or a reply broke the protocol
-            raise self.runtime.fail(exc) from None  # summary.json says failed; the job ends (init's hook)
-        self._hold_global_model()
-        if self.runtime.done and self.result is None:
-            self.result = self.runtime.result()
-        return self._payloads()
-
-    def _hold_global_model(self) -> None:
-        """The script's model object holds the global model after every round, as FedML's aggregator's does."""
-        if isinstance(self.model, ConfigModel) or not isinstance(self.model, torch.nn.Module):
-            return
-        with torch.no_grad():
-            self.model.load_state_dict(self.runtime.exp.algorithm.global_model().state_dict())
-
-    def on_after_aggregation(self, aggregated_model_or_grad):
-        return aggregated_model_or_grad
-
-    def test(self, test_data, device, args):
-        row = self.runtime.last_row
-        return row.get("test_acc"), row.get("test_loss"), None, None
-
-
-class SSFLTrainer(ClientTrainer):
-    """A silo: FedML's ``ClientTrainer`` around a fedml_ssfl worker.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The script's model (every copy the algorithm trains is a deep copy of it), or
-        :func:`create_model`'s placeholder.
-    args : namespace
-        FedML's args from ``fedml.init()`` (:func:`init`); without ``worker``, this rank becomes silo
-        ``args.rank - 1``, training ``train_data_local_dict[args.rank - 1]`` of the list
-        ``FedMLRunner`` hands over (or ``data_args.local_data``'s file).
-    worker : SiloWorker or ClientWorker, optional
-        A worker built by the caller (``fedml-ssfl run`` passes its own).
-    """
-
-    def __init__(self, model, args, worker=None):
-        super().__init__(model, args)
-        if worker is None:
-            config_of(args)
-        self._worker = worker
-        self.dataset: Any = None
-        self.payload: Any = None
-        self.upload: Any = None
-
-    def receive(self, dataset: Any, model: torch.nn.Module) -> None:
-        """What ``FedMLRunner`` hands the silo: its dataset list and model (checked here, read at round 1)."""
-        self.dataset, self.model = dataset, model
-        if self._worker is None:
-            check_dataset(config_of(self.args), dataset, model, int(self.args.rank))
-
-    @property
-    def worker(self):
-        if self._worker is None:
-            cfg, rank = config_of(self.args), int(self.args.rank)
-            source = None
-            if script_data(cfg):
-                cfg = with_script_model(cfg, self.model)
-                source = _ScriptSilo(cfg, self.dataset, self.model, rank)
-            self._worker = SiloWorker(_with_device(cfg, rank), rank, source=source)
-        return self._worker
-
-    def get_model_params(self):
-        return self.upload
-
-    def set_model_params(self, model_parameters):
-        self.payload = model_parameters
-
-    def update_dataset(self, local_train_dataset, local_test_dataset, local_sample_number):
-        pass  # the silo's data is read once, from the list FedMLRunner handed over (or its file)
-
-    def train(self, train_data, device, args):
-        self.upload = {UPLOAD_KEY: encode(self.worker.handle(decode(self.payload)))}
-
-    def test(self, test_data, device, args):
-        pass
-
-
-@dataclasses.dataclass
-class _ScriptSilo:
-    """A silo's data and model from its FedML script, built once the server's metadata is known."""
-
-    cfg: ExperimentConfig
-    dataset: Any
-    model: torch.nn.Module
-    rank: int
-
-    def __call__(self, meta) -> tuple[Any, Any]:
-        from ...data.fedml_lists import silo_data
-        from ...models.script import script_model_factory
-
-        d = self.cfg.data_args
-        data, shape = silo_data(
-            self.dataset,
-            self.rank - 1,
-            scenario=d.label_scenario,
-            num_classes=meta.num_classes,
-            seed=self.cfg.common_args.random_seed,
-            client_label_ratio=d.client_label_ratio,
-            labels_per_class_client=d.labels_per_class_client,
-        )
-        factory = script_model_factory(
-            self.model, meta.num_classes, meta.in_channels, meta.image_size, shape, self.cfg.model_args.logits
-        )
-        return data, factory
-
-
-# ---- FedMLRunner's inputs ---------------------------------------------------------------------
-
-
-def config_of(args) -> ExperimentConfig:
-    """The fedml_ssfl config :func:`init` put on FedML's args (an error naming the fix otherwise)."""
-    cfg = getattr(args, "ssfl_config", None)
-    if cfg is None:
-        raise ConfigError(
-            "FedML's args carry no fedml_ssfl config: import fedml_ssfl.runtime.fedml.hooks before calling "
-            "fedml.init() (or call hooks.init()), so that init reads the YAML as a fedml_ssfl config"
-        )
-    return cfg
-
-
-def with_script_model(cfg: ExperimentConfig, model: torch.nn.Module) -> ExperimentConfig:
-    """``cfg`` naming the script's own model (``model_args.model: script:<class>``) and, where it is one of the
-    config's kinds, its normalisation layers (``model_args.norm``): what the run trained."""
-    from ...models.script import norm_kind, script_model_name
-
-    name, norm = script_model_name(model), norm_kind(model)
-    norm = norm if norm in ("bn", "gn", "none") else cfg.model_args.norm
-    if (cfg.model_args.model, cfg.model_args.norm) == (name, norm):
-        return cfg
-    return dataclasses.replace(cfg, model_args=dataclasses.replace(cfg.model_args, model=name, norm=norm))
-
-
-def script_data_name(dataset: str) -> str:
-    """What a run on a script's dataset list calls its data: the config's ``data_args.dataset`` when that is a
-    name of the user's own, :data:`~fedml_ssfl.data.fedml_lists.SCRIPT_DATASET_NAME` when it names one of the
-    package's datasets (``mnist`` in FedML's example YAML: not what the script's list holds)."""
-    from ...data import available_datasets
-    from ...data.fedml_lists import SCRIPT_DATASET_NAME
-
-    return SCRIPT_DATASET_NAME if not dataset or dataset in available_datasets() else dataset
-
-
-def check_dataset(cfg: ExperimentConfig, dataset: Any, model: Any, rank: int) -> None:
-    """Refuse, before FedML indexes it, a dataset list or model this rank cannot run (one line naming the fix).
-
-    Raises
-    ------
-    ConfigError
-        Files named in the config but a list passed (or the reverse); a list FedML would fail on:
-        not eight entries, no entry for this rank's silo in ``train_data_local_dict`` (or in
-        ``train_data_local_num_dict`` / ``test_data_local_dict``, which FedML indexes too); a model
-        that is not an ``nn.Module``.
-    """
-    if not script_data(cfg):
-        if not isinstance(dataset, FilesPlaceholder) or not isinstance(model, ConfigModel):
-            raise ConfigError(
-                f"{cfg.data_args.local_data}: the config names data files (data_args.local_data / server_data / "
-                "test_data), but the script passes its own dataset and model to FedMLRunner: remove those keys "
-                "(each process then trains on the list it passes), or pass hooks.load_data(args) and "
-                "hooks.create_model(args)"
-            )
-        return
-    if isinstance(dataset, FilesPlaceholder):
-        raise ConfigError(
-            "the config names no data files (data_args.local_data), so FedMLRunner's dataset is the data, but the "
-            "script passed hooks.load_data's placeholders: pass FedML's dataset list (fedml.data.load(args) or your "
-            "own), or name the files (fedml-ssfl partition --export writes them)"
-        )
-    if not isinstance(model, torch.nn.Module) or isinstance(model, ConfigModel):
-        raise ConfigError(
-            f"FedMLRunner's model must be your torch nn.Module (images -> class logits), got {type(model).__name__}"
-        )
-    from ...data.fedml_lists import fields
-
-    data = fields(dataset)
-    if rank == 0:
-        return
-    silo = rank - 1
-    for key in ("train_data_local_dict", "train_data_local_num_dict", "test_data_local_dict"):
-        table = data[key]
-        if table is None and key != "train_data_local_dict":
-            continue
-        try:
-            table[silo]
-        except (KeyError, IndexError, TypeError):
-            raise ConfigError(
-                f"the dataset list's {key} has no entry {silo}: under FedMLRunner rank k + 1 is silo k "
-                f"and FedML reads entry k of train_data_local_dict, train_data_local_num_dict and "
-                "test_data_local_dict (the last two may be None)"
-            ) from None
-
-
-def server_runtime(cfg: ExperimentConfig, dataset: ImageDataset | None = None, factory=None) -> DeployedServerRuntime:
-    """The server's part of a fresh deployment run: its own data only, a new run folder.
-
-    ``dataset`` / ``factory``: the server's data and model from a FedML script's list and module
-    (the config's files and ``model_args.model`` otherwise).
-    """
-    exp = build_experiment(_with_device(cfg, 0), dataset, factory)
-    if dataset is None:
-        check_server_counts(cfg, exp)
-    exp.algorithm.setup()
-    run_dir = fresh_run_dir(cfg.run_dir())
-    lock = hold_run_folder(run_dir)
-    runtime = DeployedServerRuntime(cfg, exp, run_dir, None, worker_count(cfg), None, cfg.comm_args.backend)
-    runtime.folder_lock = lock  # held while the runtime lives (released when the process ends)
-    return runtime
 
 
 def cli_settings(argv: list[str]) -> list[str]:
@@ -431,6 +119,108 @@ def cli_settings(argv: list[str]) -> list[str]:
         elif word.startswith("--set="):
             out.append(word[len("--set=") :])
     return out
+
+
+@dataclasses.dataclass
+class ScriptFlags:
+    """What a script's command line asks of the run, beside FedML's own flags and ``--set``."""
+
+    resume: str | None = None
+    stop_after: int | None = None
+
+
+def script_flags(argv: list[str]) -> ScriptFlags:
+    """``--resume RUN_DIR`` and ``--stop-after N`` on a script's command line (as in ``fedml-ssfl run``)."""
+    flags, it = ScriptFlags(), iter(argv)
+    for word in it:
+        name, eq, value = word.partition("=")
+        if name not in ("--resume", "--stop-after"):
+            continue
+        if not eq:
+            value = next(it, None)
+        if not value:
+            raise ConfigError(f"{name} needs a value: --resume RUN_DIR (a run folder), --stop-after N (rounds)")
+        if name == "--resume":
+            flags.resume = value
+            continue
+        try:
+            flags.stop_after = int(value)
+        except ValueError:
+            raise ConfigError(f"--stop-after {value}: give a number of rounds >= 1") from None
+        if flags.stop_after < 1:
+            raise ConfigError(f"--stop-after {value}: give a number of rounds >= 1")
+    return flags
+
+
+def stock_transport(cfg: ExperimentConfig) -> bool:
+    """Whether the script asked for FedML's own managers and transport (``comm_args.fedml_stock_transport``)."""
+    return bool(cfg.comm_args.fedml_stock_transport)
+
+
+def run_script(args, dataset: Any, model: Any) -> RunResult | None:
+    """A FedML script's party on the package's runtime: :func:`~.run.run_fedml` with the script's pieces.
+
+    What ``FedMLRunner(...).run()`` does with :class:`SSFLTrainer` / :class:`SSFLAggregator` (unless
+    ``comm_args.fedml_stock_transport: true``): the same managers, transports (under GRPC mutual TLS
+    and the job key from ``comm_args``, or ``insecure: true`` for plaintext envelopes), run folder,
+    ``--resume RUN_DIR`` / ``--stop-after N`` and progress lines as ``fedml-ssfl run``. The dataset
+    list and module are the data and model (a config naming data files: its files and
+    ``model_args.model``). The server logs a line per round and, at the end, one line with the
+    result and the run folder; the script's model then holds the global model.
+    """
+    from .run import run_fedml
+
+    cfg = config_of(args)
+    flags = script_flags(sys.argv[1:])
+    pieces = None
+    if script_data(cfg):
+        cfg = with_script_model(cfg, model)
+        pieces = ScriptPieces(dataset, model)
+    if cfg.comm_args.backend == "MPI":
+        rank, role = None, None
+    else:
+        rank, role = int(args.rank), getattr(args, "role", None)
+    server = int(args.rank) == 0
+    if server:
+        _progress_lines()
+    result = run_fedml(
+        cfg,
+        rank=rank,
+        role=role,
+        run_dir=Path(flags.resume) if flags.resume else None,
+        resume=flags.resume is not None,
+        stop_after=flags.stop_after,
+        script=pieces,
+    )
+    if result is not None:
+        s = result.summary
+        acc = f"final test acc {100 * result.final_acc:.2f}% (best {100 * result.best_acc:.2f}%)"
+        log.info(
+            "%s [FedML %s]: %s after round %d of %d: %s; outputs: %s",
+            result.algorithm,
+            cfg.comm_args.backend,
+            s.get("status", "completed"),
+            result.rounds_completed,
+            cfg.train_args.comm_round,
+            acc,
+            result.run_dir,
+        )
+    return result
+
+
+def _progress_lines() -> None:
+    """The server's round lines and summary reach stderr where the script configured no logging (FedML's
+    init does not): the package's INFO lines only, not FedML's."""
+    ours = logging.getLogger("fedml_ssfl")
+    if ours.handlers or logging.getLogger().handlers:
+        if ours.level == logging.NOTSET:
+            ours.setLevel(logging.INFO)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def script_config(path: str, run_id: Any = None, argv: list[str] | None = None) -> ExperimentConfig:
@@ -535,10 +325,10 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
     job with one line (module docstring).
 
     Under MPI, FedML's messages then travel through :mod:`~fedml_ssfl.runtime.fedml.wire` instead of
-    pickle (``MPI.pickle`` is replaced for the process). Under GRPC FedML's stock transport still
-    unpickles what reaches its port, with no TLS and no job key: it runs only with
-    ``comm_args.insecure: true`` (on a network you trust); ``fedml-ssfl run``'s GRPC transport has the
-    codec, TLS and the job key.
+    pickle (``MPI.pickle`` is replaced for the process). ``FedMLRunner`` then runs on the package's
+    runtime (:func:`run_script`); only with ``comm_args.fedml_stock_transport: true`` on FedML's own
+    managers and transport, which under GRPC unpickles what reaches its port, with no TLS and no job
+    key: then it runs only with ``comm_args.insecure: true`` as well (on a network you trust).
 
     Called with FedML args that name no YAML (``fedml-ssfl run``'s own), it is FedML's init unchanged.
 
@@ -546,7 +336,8 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
     ------
     ConfigError
         No config, a config FedMLRunner cannot run (:func:`script_config`), the wrong process count
-        (naming the right ``-np``), or GRPC without ``comm_args.insecure: true``.
+        (naming the right ``-np``), a bad ``--resume`` / ``--stop-after``, or FedML's stock GRPC
+        transport (``comm_args.fedml_stock_transport``) without ``comm_args.insecure: true``.
     """
     original = _ORIGINAL_INIT
     if args is not None and not getattr(args, "yaml_config_file", ""):
@@ -565,6 +356,8 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
             cfg = script_config(getattr(args, "yaml_config_file", "") or "", getattr(args, "run_id", None))
         path = args.yaml_config_file
         K = worker_count(cfg)
+        stock = stock_transport(cfg)
+        script_flags(sys.argv[1:] if script else [])  # a bad --resume / --stop-after named now
         if cfg.comm_args.backend == "MPI":
             mpi_rank(cfg, None, None)  # the process count, before FedML asserts it
             from fedml.core.distributed.communication.message import Message as FedMessage
@@ -573,14 +366,22 @@ def init(args=None, check_env: bool = True, should_init_logs: bool = True) -> An
             meter = WireMeter(FedMessage)  # FedML's MPI messages through the codec, not pickle, counted
             MPI.pickle.__init__(meter.dumps, meter.loads)
         else:
-            if not cfg.comm_args.insecure:
+            if stock and not cfg.comm_args.insecure:
                 raise ConfigError(
-                    f"{path}: FedML's stock GRPC transport unpickles what reaches its port and has no TLS or job "
-                    "key: run this deployment with `fedml-ssfl run` (TLS, job key, no pickle), or set "
-                    "comm_args.insecure: true to accept that on a network you trust"
+                    f"{path}: comm_args.fedml_stock_transport: FedML's stock GRPC transport unpickles what reaches "
+                    "its port and has no TLS or job key: remove the key (the script then runs on fedml_ssfl's "
+                    "transport: TLS, job key, no pickle), or also set comm_args.insecure: true to accept that on a "
+                    "network you trust"
                 )
-            log.warning("FedML's stock GRPC transport: plaintext, unauthenticated, and it unpickles what it receives")
             grpc_rank(cfg, int(args.rank), getattr(args, "role", None))
+        if stock and rank == 0:
+            log.warning(
+                "comm_args.fedml_stock_transport: FedML's own managers and transport run this job: no outboxes, "
+                "heartbeats, outage budget, --resume or progress lines%s",
+                "; under GRPC plaintext, unauthenticated, and it unpickles what it receives"
+                if cfg.comm_args.backend == "GRPC"
+                else "",
+            )
         if script:
             exit_on_error(rank, cfg.comm_args.backend)
         t, d = cfg.train_args, cfg.device_args
@@ -721,11 +522,17 @@ def _install() -> None:
     def server(self, args, device, dataset, model, server_aggregator=None):
         if isinstance(server_aggregator, SSFLAggregator):
             server_aggregator.receive(dataset, model)
+            if server_aggregator.owns_runtime and not stock_transport(config_of(args)):
+                server_aggregator.result = run_script(args, dataset, model)  # FedML's server also runs here
+                return
         server_init(self, args, device, dataset, model, server_aggregator)
 
     def client(self, args, device, dataset, model, model_trainer=None):
         if isinstance(model_trainer, SSFLTrainer):
             model_trainer.receive(dataset, model)
+            if model_trainer._worker is None and not stock_transport(config_of(args)):
+                run_script(args, dataset, model)
+                return
         client_init(self, args, device, dataset, model, model_trainer)
 
     FedMLCrossSiloServer.__init__, FedMLCrossSiloClient.__init__ = server, client
@@ -734,7 +541,13 @@ def _install() -> None:
 _install()
 
 __all__ = [
+    "DOWN_TYPES",
+    "UP_TYPES",
+    "UPLOAD_KEY",
+    "ConfigModel",
+    "FilesPlaceholder",
     "SSFLAggregator",
+    "ScriptPieces",
     "SSFLTrainer",
     "check_dataset",
     "config_of",
@@ -742,6 +555,10 @@ __all__ = [
     "exit_on_error",
     "init",
     "load_data",
+    "run_script",
     "script_config",
+    "script_flags",
     "server_runtime",
+    "unwrap",
+    "with_script_model",
 ]

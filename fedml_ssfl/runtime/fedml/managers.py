@@ -34,7 +34,7 @@ from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
 from fedml.cross_silo.server.message_define import MyMessage
 
 from ...errors import error_line
-from .hooks import UPLOAD_KEY, SSFLAggregator, unwrap
+from .adapters import UPLOAD_KEY, SSFLAggregator, unwrap
 from .payloads import encode
 from .protocol import Failure, Finish, Reply
 from .security import (
@@ -43,6 +43,7 @@ from .security import (
     proof,
 )
 from .server import ServerRuntime
+from .transport import Transport, at
 from .transports import (
     CHALLENGE,
     CLIENT_SESSION,
@@ -134,8 +135,9 @@ class SSFLServerManager(FedMLServerManager):
         make_comm(self)
 
     @property
-    def grpc(self) -> bool:
-        return self.backend == "GRPC"
+    def transport(self) -> Transport:
+        """The manager's transport: all it uses of one is :class:`~.transport.Transport`."""
+        return self.com_manager
 
     def register_message_receive_handlers(self):
         super().register_message_receive_handlers()
@@ -205,12 +207,12 @@ class SSFLServerManager(FedMLServerManager):
             self.send_message(refusal)
             return
         self.refused.pop(sender, None)
-        before = self.com_manager.admit(sender, session) if self.grpc else session
+        before = self.transport.admit(sender, session)
         welcome = FedMessage(WELCOME, 0, sender)
         welcome.add_params(CHALLENGE, challenge)
         welcome.add_params(CLIENT_SESSION, session)
         if self.is_initialized and before is not None and before != session:
-            self.com_manager.clear_outbox(sender)  # what was queued for its old process
+            self.transport.clear_outbox(sender)  # what was queued for its old process
         self.send_message(welcome)
         if not self.is_initialized and not self.runtime.done:
             super().process_online_status(client_status, msg_params)
@@ -304,17 +306,14 @@ class SSFLServerManager(FedMLServerManager):
     def finish(self):
         # FedML calls MPI.Finalize here; leaving it to mpi4py at exit lets one process run
         # several jobs in turn (and a failing run still report before MPI goes away).
-        if self.backend == "MPI" and self.failing and self.dead:
+        if self.transport.whole_job and self.failing and self.dead:
             # a rank that never answered (stalled: SIGSTOP, a hung update) would hold every
             # process in MPI_Finalize forever; the failed summary is written, so end the job
             self.force_stop()
         self._stop_transport()
 
     def _stop_transport(self, drain: float | None = None) -> None:
-        if self.grpc:
-            self.com_manager.stop_receive_message(self.limits.grace if drain is None else drain)
-        else:
-            self.com_manager.stop_receive_message()
+        self.transport.stop_receive_message(self.limits.grace if drain is None else drain)
 
     # -- faults --
     def fail(self, error) -> None:
@@ -324,7 +323,7 @@ class SSFLServerManager(FedMLServerManager):
         failure = self.runtime.fail(error)
         log.error("%s", failure)
         for rank in self.client_real_ids:
-            if self.grpc and self.com_manager.admitted(rank) is None:
+            if self.transport.admitted(rank) is None:
                 self.dead.add(rank)  # never admitted: it cannot take a message of the run
                 # but it may be diagnosing this port (a TLS mismatch): stay up a moment, so it can say why
                 self.linger_until = self.fail_time + LINGER_BEATS * self.limits.heartbeat
@@ -341,10 +340,7 @@ class SSFLServerManager(FedMLServerManager):
     def describe_rank(self, rank: int) -> str:
         silos = self.runtime.routing()
         silo = silos[rank - 1] if 1 <= rank <= len(silos) else "?"
-        if self.grpc:
-            host, port = self.com_manager.address(rank)
-            return f"rank {rank} (silo {silo}) at {host}:{port}"
-        return f"rank {rank} (silo {silo})"
+        return f"rank {rank} (silo {silo}){at(self.transport, rank)}"
 
     def handle_transport(self, msg_params):
         """What the transport found: a message given up, or a worker that does not know this server."""
@@ -388,29 +384,23 @@ class SSFLServerManager(FedMLServerManager):
 
     def force_stop(self):
         """Workers did not acknowledge the stop in time: end without waiting for them."""
-        failure = self.runtime.failure
-        if self.backend == "MPI":
-            sys.stderr.write(error_line(str(failure)) + "\n")
-            sys.stderr.flush()
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Abort(1)
+        self.transport.abort_job(str(self.runtime.failure))  # where one process ends the whole job (MPI)
         self._stop_transport(drain=0.0)
 
     def _inject(self, **params):
         msg = FedMessage(WATCHDOG, 0, 0)
         for k, v in params.items():
             msg.add_params(k, v)
-        self.com_manager.inject(msg)
+        self.transport.inject(msg)
 
     def _missing(self) -> list[int]:
         return [r for r in self.client_real_ids if not self.client_online_mapping.get(str(r))]
 
     def _why(self, rank: int) -> str:
         """The transport's reason ``rank`` is not heard from, or a fresh diagnosis of its port."""
-        if not self.grpc:
+        if not self.transport.liveness:
             return ""
-        cause = self.com_manager.cause_of(rank)
+        cause = self.transport.cause_of(rank)
         return f": {cause}" if cause else ""
 
     def _watch(self):
@@ -429,13 +419,13 @@ class SSFLServerManager(FedMLServerManager):
                 continue
             if reported:
                 continue
-            if rt.done and self.grpc:  # the end was sent (or, resumed on a finished run, is sent to
+            if rt.done and self.transport.liveness:  # the end was sent (or, resumed on a finished run, is sent to
                 # each worker that comes back): a worker not heard from within the outage budget is let go
                 gone = [
                     r
                     for r in self.client_real_ids
                     if r not in self.finished | self.dead
-                    and now - self.com_manager.heard.get(r, self.t_start) > limits.outage
+                    and now - self.transport.heard.get(r, self.t_start) > limits.outage
                 ]
                 if gone:
                     reported = True
@@ -457,7 +447,7 @@ class SSFLServerManager(FedMLServerManager):
                         f"(FEDML_SSFL_CONNECT_TIMEOUT){refused}{causes}",
                         dead=missing,
                     )
-                elif self.grpc and missing and now - last_check >= limits.heartbeat:
+                elif self.transport.liveness and missing and now - last_check >= limits.heartbeat:
                     last_check = now
                     self._inject(action="check", ranks=missing)
                 continue
@@ -471,9 +461,9 @@ class SSFLServerManager(FedMLServerManager):
                     dead=sorted(waiting),
                 )
                 continue
-            if self.grpc and waiting:
+            if self.transport.liveness and waiting:
                 for rank in waiting:
-                    silent = now - self.com_manager.heard.get(rank, self.t_start)
+                    silent = now - self.transport.heard.get(rank, self.t_start)
                     if silent > limits.outage:
                         reported = True
                         self._inject(
@@ -521,8 +511,9 @@ class SSFLClientManager(ClientMasterManager):
         make_comm(self)
 
     @property
-    def grpc(self) -> bool:
-        return self.backend == "GRPC"
+    def transport(self) -> Transport:
+        """The manager's transport: all it uses of one is :class:`~.transport.Transport`."""
+        return self.com_manager
 
     def register_message_receive_handlers(self):
         super().register_message_receive_handlers()
@@ -533,10 +524,7 @@ class SSFLClientManager(ClientMasterManager):
     def finish(self):
         # MPI.Finalize is left to mpi4py at exit
         self.ending = True
-        if self.grpc:
-            self.com_manager.stop_receive_message(FINISH_DRAIN)
-        else:
-            self.com_manager.stop_receive_message()
+        self.transport.stop_receive_message(FINISH_DRAIN)
 
     def receive_message(self, msg_type, msg_params) -> None:
         if msg_type not in (TRANSPORT, WATCHDOG):
@@ -573,7 +561,7 @@ class SSFLClientManager(ClientMasterManager):
         if not isinstance(challenge, str):
             return
         session = msg_params.get(SESSION) or ""
-        if self.grpc and not self.com_manager.answer(challenge, session):
+        if not self.transport.answer(challenge, session):
             log.warning("rank %d: a challenge it already answered came again (a replay): not answered", self.rank)
             return
         self.send_client_status(0, ClientMasterManager.ONLINE_STATUS_FLAG, challenge)
@@ -592,14 +580,14 @@ class SSFLClientManager(ClientMasterManager):
         security = getattr(self.args, "ssfl_security", None)
         key = security.key if security is not None else None
         mine = self.args.ssfl_membership
-        session = self.com_manager.sealer.session if self.grpc else ""
+        session = self.transport.session
         message.add_params(MEMBERSHIP, mine)
         message.add_params(CHALLENGE, challenge)
         message.add_params(PROOF, proof(key, self.args.ssfl_job, self.rank, mine, challenge, session))
         self.send_message(message)
 
     def _verified(self, msg_params) -> bool:
-        return not self.grpc or msg_params.get(VERIFIED) is True
+        return not self.transport.sessions or msg_params.get(VERIFIED) is True
 
     def handle_welcome(self, msg_params):
         if not self._verified(msg_params):
@@ -648,7 +636,7 @@ class SSFLClientManager(ClientMasterManager):
                     "rank %d (silo %d), round %d:\n%s", self.rank, upload.silo, upload.round + 1, upload.traceback
                 )
             weights = {UPLOAD_KEY: dataclasses.replace(upload, traceback="")}
-        elif isinstance(upload, Reply) and self.grpc:
+        elif isinstance(upload, Reply) and self.transport.liveness:  # a worker on a host of its own: its log says
             log.info(
                 "rank %d (silo %d): round %d %s in %.2f s; reply sent",
                 self.rank,
@@ -666,9 +654,8 @@ class SSFLClientManager(ClientMasterManager):
             if time.monotonic() - self.hello_sent >= 1.0:
                 self.hello()
             return
-        host, port = self.com_manager.address(0)
         label, cause = msg_params.get("label"), msg_params.get("cause")
-        reason = f"could not deliver {label} to the server (rank 0) at {host}:{port}: {cause}"
+        reason = f"could not deliver {label} to the server (rank 0){at(self.transport, 0)}: {cause}"
         if not self.joined and self.failure is None:
             # the server may be diagnosing this process too (a TLS mismatch): stay up a moment
             self.failure = reason
@@ -685,7 +672,7 @@ class SSFLClientManager(ClientMasterManager):
             self.hello()
 
     def run(self):
-        if self.grpc:
+        if self.transport.liveness:
             threading.Thread(target=self._watch, name="ssfl-server-watchdog", daemon=True).start()
         try:
             super().run()
@@ -696,15 +683,15 @@ class SSFLClientManager(ClientMasterManager):
         msg = FedMessage(WATCHDOG, self.rank, self.rank)
         for k, v in params.items():
             msg.add_params(k, v)
-        self.com_manager.inject(msg)
+        self.transport.inject(msg)
 
     def _watch(self):
-        """GRPC only (under mpirun the launcher ends the job when the server dies): stop when the server
-        is not heard from for the outage budget (or, before it first admits this process, the connect
-        timeout), or after FEDML_SSFL_IDLE_TIMEOUT without a message of the run. Between, send hellos
-        while no server has admitted this process."""
-        limits, comm = self.limits, self.com_manager
-        host, port = comm.address(0)
+        """With a transport's liveness only (GRPC; under mpirun the launcher ends the job when the server
+        dies): stop when the server is not heard from for the outage budget (or, before it first admits
+        this process, the connect timeout), or after FEDML_SSFL_IDLE_TIMEOUT without a message of the
+        run. Between, send hellos while no server has admitted this process."""
+        limits, comm = self.limits, self.transport
+        where = at(comm, 0)
         told = None
         while not self._stop.wait(1.0):
             now = time.monotonic()
@@ -725,7 +712,7 @@ class SSFLClientManager(ClientMasterManager):
                 if now - self.t_start > limits.connect:
                     cause = comm.cause_of(0)
                     reason = (
-                        f"the server (rank 0) at {host}:{port} did not admit this process within "
+                        f"the server (rank 0){where} did not admit this process within "
                         f"{limits.connect:.0f} s (FEDML_SSFL_CONNECT_TIMEOUT)" + (f": {cause}" if cause else "")
                     )
                 elif now - self.hello_sent >= limits.heartbeat and comm.admitted(0) is None:
@@ -735,7 +722,7 @@ class SSFLClientManager(ClientMasterManager):
                 if silent > limits.outage:
                     cause = comm.cause_of(0)
                     reason = (
-                        f"the server (rank 0) at {host}:{port} was not heard from for {silent:.0f} s "
+                        f"the server (rank 0){where} was not heard from for {silent:.0f} s "
                         f"(FEDML_SSFL_OUTAGE_BUDGET {limits.outage:.0f} s)" + (f": {cause}" if cause else "")
                     )
                 elif idle > limits.idle:

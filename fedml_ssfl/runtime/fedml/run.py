@@ -1,4 +1,11 @@
-"""``run_fedml``: this process's part of a FedML cross-silo job (server on rank 0, a worker elsewhere)."""
+"""``run_fedml``: this process's part of a FedML cross-silo job (server on rank 0, a worker elsewhere).
+
+Every door into a FedML job ends here: ``fedml-ssfl run --cf CONFIG`` (the package's datasets and
+models) and a FedML script's ``FedMLRunner(...).run()`` with :class:`~.adapters.SSFLTrainer` /
+:class:`~.adapters.SSFLAggregator` (its dataset list and ``nn.Module``, passed as :class:`ScriptParts`).
+Both get the same managers (:mod:`.managers`), transports (:mod:`.transport`), security, run folder,
+``--resume`` / ``--stop-after`` and progress lines; only where the data and the model come from differs.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -50,6 +58,18 @@ from .worker import ClientWorker, SiloWorker
 log = logging.getLogger(__name__)
 
 
+class ScriptParts(Protocol):
+    """A FedML script's own data and model, as :func:`run_fedml` takes them (:class:`~.adapters.ScriptPieces`)."""
+
+    model: torch.nn.Module
+
+    def server_data(self, cfg: ExperimentConfig) -> tuple[ImageDataset, Any]:
+        """The server's data (its labels, validation and test sets) and the model factory."""
+
+    def silo_source(self, cfg: ExperimentConfig, rank: int) -> Any:
+        """What :class:`~.worker.SiloWorker` calls for rank ``rank``'s silo data and model factory."""
+
+
 def run_fedml(
     cfg: ExperimentConfig,
     rank: int | None = None,
@@ -58,6 +78,7 @@ def run_fedml(
     resume: bool = False,
     dataset: ImageDataset | None = None,
     stop_after: int | None = None,
+    script: ScriptParts | None = None,
 ) -> RunResult | None:
     """Run this process's part of a FedML cross-silo job (server on rank 0, a worker elsewhere).
 
@@ -69,6 +90,10 @@ def run_fedml(
         GRPC: this process's rank (0 = server) and role; MPI takes the rank from ``mpirun``.
     run_dir, resume, dataset, stop_after
         As in :func:`~fedml_ssfl.runtime.local.run_local` (used by the server).
+    script : ScriptParts, optional
+        A FedML script's dataset list and model (deployment mode): the server's data and each
+        silo's come from the list, every model from the module; on the server the module holds the
+        global model at the end. ``cfg`` names the module (``model_args.model: script:<class>``).
 
     Returns
     -------
@@ -133,21 +158,25 @@ def run_fedml(
                 mpi_pickle = MPI.pickle
                 MPI.pickle.__init__(meter.dumps, meter.loads)
             from . import managers  # FedML's classes: imported only now, offline
-            from .hooks import SSFLAggregator
+            from .adapters import SSFLAggregator
 
             workers = worker_count(cfg)
             try:
                 if not is_server:
-                    worker = (
-                        SiloWorker(dev_cfg, rank)
-                        if deployed(cfg)
-                        else ClientWorker(build_experiment(dev_cfg, dataset), rank)
-                    )
+                    if script is not None:
+                        worker = SiloWorker(dev_cfg, rank, source=script.silo_source(cfg, rank))
+                    elif deployed(cfg):
+                        worker = SiloWorker(dev_cfg, rank)
+                    else:
+                        worker = ClientWorker(build_experiment(dev_cfg, dataset), rank)
                     _run_worker(worker, args, rank, meter, limits, comm, workers, backend)
                     return None
-                exp = build_experiment(dev_cfg, dataset)
-                if deployed(cfg):
-                    check_server_counts(cfg, exp)
+                if script is not None:
+                    exp = build_experiment(dev_cfg, *script.server_data(cfg))
+                else:
+                    exp = build_experiment(dev_cfg, dataset)
+                    if deployed(cfg):
+                        check_server_counts(cfg, exp)
                 exp.algorithm.setup()
                 runtime_class = DeployedServerRuntime if deployed(cfg) else ServerRuntime
                 runtime = runtime_class(cfg, exp, Path(run_dir), state, workers, stop_after, backend)
@@ -165,6 +194,9 @@ def run_fedml(
                     raise runtime.failure
                 if not runtime.done:
                     raise runtime.fail(f"the FedML server stopped in round {runtime.round + 1} before the run ended")
+                if script is not None:  # the script's model object holds the global model, as FedML's does
+                    with torch.no_grad():
+                        script.model.load_state_dict(exp.algorithm.global_model().state_dict())
                 return runtime.result()
             finally:
                 if mpi_pickle is not None:
@@ -205,7 +237,7 @@ def _run_worker(worker, args, rank: int, meter, limits, comm, workers: int, back
     from fedml.cross_silo.client.fedml_trainer_dist_adapter import TrainerDistAdapter
 
     from . import managers
-    from .hooks import SSFLTrainer
+    from .adapters import SSFLTrainer
 
     if isinstance(worker, SiloWorker):
         silos, counts, model, device = {worker.silo: worker.silo}, {worker.silo: 0}, torch.nn.Identity(), "cpu"

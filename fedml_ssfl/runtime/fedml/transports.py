@@ -2,6 +2,10 @@
 
 Imports FedML: import it only when a FedML job starts.
 
+Both implement :class:`~.transport.Transport`, all the round managers use of a transport, and are
+registered in :data:`TRANSPORTS` by ``comm_args.backend``: a transport added later is a class here
+and an entry there (docs/architecture.md, "The FedML runtime's seam").
+
 The GRPC transport (:class:`QuietGrpcComm`):
 
 * *receives* on gRPC's asyncio server, in a thread of its own: a request waiting for its bytes holds
@@ -28,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent import futures
@@ -41,6 +46,7 @@ from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicatio
 from fedml.cross_silo.server.message_define import MyMessage
 
 from ...config import ConfigError
+from ...errors import error_line
 from . import wire
 from .delivery import Item, Outbox, SendError, Undelivered, Unknown
 from .diagnose import Cause, diagnose_peer
@@ -92,7 +98,47 @@ def grpc_byte_cap(limit: int) -> int:
 
 
 class QuietMpiComm(MpiCommunicationManager):
-    """FedML's MPI transport, waiting on its queue instead of spinning (frees a core)."""
+    """FedML's MPI transport, waiting on its queue instead of spinning (frees a core).
+
+    As a :class:`~.transport.Transport`: no liveness (``mpirun`` ends a job whose process dies), no
+    sessions (every process is the launcher's), and :meth:`abort_job` ends the whole job.
+    """
+
+    liveness, sessions, whole_job = False, False, True
+    session = ""
+
+    @property
+    def heard(self) -> dict[int, float]:
+        return {}
+
+    def stop_receive_message(self, drain: float = 0.0):
+        super().stop_receive_message()  # MPI sends synchronously: nothing queued to wait for
+
+    def admit(self, rank: int, session: str) -> str | None:
+        return session
+
+    def admitted(self, rank: int) -> str | None:
+        return ""
+
+    def answer(self, challenge: str, session: str) -> bool:
+        return True
+
+    def clear_outbox(self, rank: int) -> int:
+        return 0
+
+    def address(self, rank: int) -> tuple[str, int] | None:
+        return None
+
+    def cause_of(self, rank: int) -> str:
+        return ""
+
+    def abort_job(self, reason: str) -> None:
+        """A rank that never answers (stalled) would hold every process in ``MPI_Finalize``: end them all."""
+        sys.stderr.write(error_line(reason) + "\n")
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
 
     def handle_receive_message(self):
         self._notify_connection_ready()
@@ -132,7 +178,12 @@ class SealedServicer(grpc_comm_manager_pb2_grpc.gRPCCommManagerServicer):
 class QuietGrpcComm(GRPCCommManager):
     """FedML's GRPC transport over sealed envelopes (TLS, the job key), with outboxes, heartbeats and
     byte counts. Replaces FedML's ``__init__`` (the server: asyncio, TLS, no port sharing, the byte
-    cap), ``send_message``, ``message_handling_subroutine`` and ``stop_receive_message``."""
+    cap), ``send_message``, ``message_handling_subroutine`` and ``stop_receive_message``.
+
+    As a :class:`~.transport.Transport`: liveness from :attr:`heard`, sessions admitted by the
+    :class:`~.security.Opener`; each process ends alone."""
+
+    liveness, sessions, whole_job = True, True, False
 
     def __init__(self, *, grpc_ipconfig_path, client_rank, client_num, args, meter: WireMeter, limits):
         self.meter, self.limits = meter, limits
@@ -326,6 +377,13 @@ class QuietGrpcComm(GRPCCommManager):
 
     def admitted(self, rank: int) -> str | None:
         return self.opener.session_of(rank)
+
+    @property
+    def session(self) -> str:
+        return self.sealer.session
+
+    def abort_job(self, reason: str) -> None:
+        pass  # each GRPC process ends alone (its manager stops the transport)
 
     # ---- sending ----------------------------------------------------------------------------
     def channel(self, url: str):
@@ -542,19 +600,29 @@ def label_of(msg) -> str:
     return text
 
 
+def _mpi(manager) -> QuietMpiComm:
+    return QuietMpiComm(manager.comm, manager.rank, manager.size)
+
+
+def _grpc(manager) -> QuietGrpcComm:
+    return QuietGrpcComm(
+        grpc_ipconfig_path=manager.args.grpc_ipconfig_path,
+        client_rank=manager.rank,
+        client_num=manager.size,
+        args=manager.args,
+        meter=manager.meter,
+        limits=manager.limits,
+    )
+
+
+TRANSPORTS: dict[str, Any] = {"MPI": _mpi, "GRPC": _grpc}
+"""``comm_args.backend`` -> a function of the manager building its :class:`~.transport.Transport`."""
+
+
 def make_comm(manager) -> None:
-    """Install the quiet transport on a FedML comm manager (called from ``_init_manager``)."""
-    if manager.backend == "MPI":
-        manager.com_manager = QuietMpiComm(manager.comm, manager.rank, manager.size)
-    elif manager.backend == "GRPC":
-        manager.com_manager = QuietGrpcComm(
-            grpc_ipconfig_path=manager.args.grpc_ipconfig_path,
-            client_rank=manager.rank,
-            client_num=manager.size,
-            args=manager.args,
-            meter=manager.meter,
-            limits=manager.limits,
-        )
-    else:
-        raise ConfigError(f"comm_args.backend {manager.backend}: only MPI and GRPC are supported")
+    """Install the backend's transport on a FedML comm manager (called from ``_init_manager``)."""
+    build = TRANSPORTS.get(manager.backend)
+    if build is None:
+        raise ConfigError(f"comm_args.backend {manager.backend}: only {' and '.join(TRANSPORTS)} are supported")
+    manager.com_manager = build(manager)
     manager.com_manager.add_observer(manager)
