@@ -288,10 +288,15 @@ def test_a_script_config_names_the_fedml_keys_it_does_not_use(script, caplog):
     unnamed.write_text(yaml.safe_dump(raw))
     cfg = hooks.script_config(str(unnamed), argv=[])  # named after the script's data, not a shipped dataset
     assert cfg.data_args.dataset == "script_data" and cfg.common_args.run_name == "script_data_fedavg_ssl"
-    raw["common_args"]["training_type"] = "simulation"
-    bad = script.folder / "simulation.yaml"
+    raw["common_args"]["training_type"] = "simulation"  # as FedML's own MPI cross-silo example says it
+    sim = script.folder / "simulation.yaml"
+    sim.write_text(yaml.safe_dump(raw))
+    cfg = hooks.script_config(str(sim), argv=[])  # FedMLRunner with our trainer: the cross-silo deployment
+    assert (cfg.common_args.training_type, cfg.comm_args.mode) == ("cross_silo", "deployment")
+    raw["comm_args"] = {**(raw.get("comm_args") or {}), "mode": "simulation"}
+    bad = script.folder / "mode_simulation.yaml"
     bad.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="FedML's simulators ignore custom trainers"):
+    with pytest.raises(ConfigError, match="FedMLRunner runs the deployment mode"):
         hooks.script_config(str(bad), argv=[])
 
 

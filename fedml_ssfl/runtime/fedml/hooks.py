@@ -227,14 +227,15 @@ def script_config(path: str, run_id: Any = None, argv: list[str] | None = None) 
     """A FedML script's YAML as a fedml_ssfl deployment config (each process one party).
 
     FedMLRunner runs FedML's cross-silo deployment: ``common_args.training_type`` is ``cross_silo``
-    (FedML's simulators ignore custom trainers), ``comm_args.mode`` is ``deployment``, and a config
+    (``simulation``, which FedML's own MPI cross-silo example gives, is read as ``cross_silo``: FedML's
+    simulators would ignore custom trainers), ``comm_args.mode`` is ``deployment``, and a config
     that names no data files takes its data from the script (:data:`~fedml_ssfl.config.SCRIPT_DATA`).
     ``--set`` items on the command line apply as in ``fedml-ssfl run``.
 
     Raises
     ------
     ConfigError
-        No config, ``training_type: simulation`` or ``comm_args.mode: simulation``, or anything the
+        No config, ``comm_args.mode: simulation``, or anything the
         config's validation refuses.
     """
     if not path:
@@ -243,11 +244,12 @@ def script_config(path: str, run_id: Any = None, argv: list[str] | None = None) 
     common, comm, data = (
         raw.get(s) if isinstance(raw.get(s), dict) else {} for s in ("common_args", "comm_args", "data_args")
     )
-    if common.get("training_type") == "simulation":
-        raise ConfigError(
-            f"{path}: common_args.training_type simulation: FedML's simulators ignore custom trainers, so FedMLRunner "
-            "runs fedml_ssfl only in training_type cross_silo (each process one party); set it, or run the "
-            "simulation with `fedml-ssfl run --cf CONFIG`"
+    if common.get("training_type") == "simulation":  # FedML's own MPI cross-silo example says it
+        log.info(
+            "%s: common_args.training_type simulation read as cross_silo: FedMLRunner with SSFLTrainer / "
+            "SSFLAggregator runs FedML's cross-silo deployment, each process one party (FedML's simulators would "
+            "ignore the trainer); `fedml-ssfl run --cf CONFIG` runs the simulation",
+            path,
         )
     if comm.get("mode", "deployment") != "deployment":
         raise ConfigError(
