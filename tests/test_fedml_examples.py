@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -246,3 +247,67 @@ def test_every_transport_implements_what_the_managers_use():
     used -= {"transport"}
     assert used and used <= names, sorted(used - names)
     assert set(transports.TRANSPORTS) == {"MPI", "GRPC"}
+
+
+LAB_SUBNET = "10.203.0"  # addresses only inside the namespaces the lab makes
+LAB_PORT = 8890
+
+
+def test_fedmls_grpc_example_rides_out_a_silo_killed_and_restarted_in_the_network_lab(make_lab, tmp_path):
+    """FedML's GRPC step-by-step example, edited as the docs say, across hosts in network namespaces
+    (tests/netlab.py: the server and two silos at 10.203.0.1-3, mutual TLS with certificates naming those
+    addresses, a job key): once round 1 is committed silo 1 is killed (SIGKILL) and started again 1 s later
+    with the same command; the run ends with exactly the model the same classes compute in one process."""
+    from tests.lab_job import ROOT as REPO
+    from tests.test_network_faults import BUDGETS, HOSTS, Job
+
+    job = tmp_path / "job"
+    server = edited_script(GRPC_EXAMPLE / "torch_server.py", job)
+    client = edited_script(GRPC_EXAMPLE / "torch_client.py", job)
+    certs = tmp_path / "certs"
+    sans = [f"IP:{LAB_SUBNET}.{r + 1}" for r in range(3)]
+    subprocess.run(["bash", str(REPO / "deploy/make_test_certs.sh"), str(certs), "3", *sans], check=True)
+    ip = job / "grpc_ipconfig.csv"
+    ip.write_text("eid,rank,grpc_server_ip,grpc_server_port\n" + "".join(
+        f"{r},{r},{LAB_SUBNET}.{r + 1},{LAB_PORT}\n" for r in range(3)
+    ))  # fmt: skip
+    comm = {
+        "grpc_ipconfig_path": str(ip),
+        "tls_ca": str(certs / "ca.pem"),
+        "tls_cert": str(certs / "rank{rank}.pem"),
+        "tls_key": str(certs / "rank{rank}.key"),
+        "job_key_file": str(certs / "job.key"),
+    }
+    config = edited_yaml(GRPC_EXAMPLE / "config" / "fedml_config.yaml", job / "c.yaml", comm, "lab", tmp_path / "runs")
+    raw = yaml.safe_load(config.read_text())
+    raw.setdefault("tracking_args", {})["checkpoint_every"] = 1  # a silo restarted alone reloads its last round
+    raw["train_args"]["comm_round"] = 3  # rounds 2 and 3 after the restart: it cannot end before the kill
+    config.write_text(yaml.safe_dump(raw))
+
+    class ScriptJob(Job):
+        """The lab job of tests/test_network_faults.py, each rank running the user's edited FedML script."""
+
+        def start(self, rank: int, resume: bool = False):
+            script, role = (server, "server") if rank == 0 else (client, "client")
+            argv = [sys.executable, str(script), "--cf", str(config), "--rank", str(rank), "--role", role, *self.sets]
+            old = self.procs.get(rank)
+            self.procs[rank] = (
+                self.lab.spawn(HOSTS[rank], argv, env=self.env, name=f"rank{rank}")
+                if old is None
+                else self.lab.restart(old, argv)
+            )
+            return self.procs[rank]
+
+    lab = make_lab(HOSTS, subnet=LAB_SUBNET)
+    run = ScriptJob(lab, {"config": config, "local": None}, tmp_path, "lab")
+    assert not set(BUDGETS) & set(run.env)  # the default waiting budgets a user gets
+    run.start_all()
+    run.wait_until("the server's checkpoint of round 1", lambda: run.committed() >= 1, timeout=150)
+    run.kill(2)
+    time.sleep(1.0)
+    run.start(2)  # the same command again: it rejoins and reloads its state of round 1
+    run.finish(bound=240)
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3, summary
+    assert_same_model(saved_model(run.run_dir), in_process_model(job, config, tmp_path / "reference"))
+    assert not run.record.exists(), run.record.read_text()  # no process tried an address the lab lacks
