@@ -83,6 +83,10 @@ EXCLUDED: dict[str, str] = {
         "server and clients together on 127.0.0.1)"
     ),
     r"^fedml (login|launch)\b": "FedML's cloud (network, an account)",
+    r"^(printf eid,rank,grpc_server_ip|S=--cf deploy/fedml_example/|for r in 1 2; do python deploy/fedml_example/)": (
+        "a FedML script's GRPC job started by hand, three processes in the background (deploy_reference.md); "
+        "tests/test_fedml_examples.py runs FedML's GRPC example with mutual TLS and the job key, stopped and resumed"
+    ),
     r"^ssh device\b": "a device reached over ssh",
     r"^python benchmarks/round_speed\.py$": (
         "the full round-speed sweep (10 rows, ~45 min on 2 cores); its figures are committed in benchmarks/results/ "
