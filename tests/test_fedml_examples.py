@@ -168,7 +168,7 @@ def test_fedmls_mpi_example_edited_as_the_docs_say_runs_on_the_packages_runtime(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "mpi_example"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["model"] == "script:BNNet"
+    assert summary["status"] == "completed" and summary["model"] == "BNNet-bn"
     assert summary["runtime"] == "fedml-MPI"  # the runtime of fedml-ssfl run, not FedML's stock managers
     assert_server_said(proc.stderr + proc.stdout, "MPI", run_dir)
     assert_same_model(saved_model(run_dir), in_process_model(tmp_path / "job", config, tmp_path / "reference"))
@@ -215,7 +215,7 @@ def test_fedmls_grpc_example_edited_as_the_docs_say_runs_with_mutual_tls_and_res
         assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
-    assert summary["model"] == "script:BNNet"
+    assert summary["model"] == "BNNet-bn"
     stderr = results[0][2]
     assert "round 2/2: test acc" in stderr and "completed after round 2 of 2" in stderr, stderr[-3000:]
     assert stderr.rstrip().endswith(f"outputs: {run_dir}") or f"outputs: {run_dir}" in stderr

@@ -163,7 +163,7 @@ def test_protocol_records_round_trip_and_bad_fields_are_refused():
     def forged(name, fields):
         return _frame({"v": {"R": [name, fields]}, "b": []})
 
-    good = {"round": 1, "silo": 0, "rank": 1, "trained": True, "msg": None, "states": {"d": {}}}
+    good = {"round": 1, "silo": 0, "rank": 1, "trained": True, "msg": None, "states": {"d": {}}, "more": {"l": []}}
     for name, fields, reason in [
         ("Pwned", {}, "not a protocol record"),
         ("Reply", {**good, "round": "1"}, "Reply.round must be an integer"),
