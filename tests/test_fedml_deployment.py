@@ -293,7 +293,7 @@ def test_fedml_runner_refuses_a_simulation_config(tmp_path):
 
     config = tmp_path / "c.yaml"
     config.write_text(simulation_config(tmp_path).to_yaml())
-    with pytest.raises(ConfigError, match="training_type cross_silo"):
+    with pytest.raises(ConfigError, match="comm_args.mode: deployment"):  # training_type simulation too
         fedml_hooks.init(SimpleNamespace(yaml_config_file=str(config), rank=0, run_id="0"))
     raw = simulation_config(tmp_path).to_dict()
     raw["common_args"]["training_type"], raw["comm_args"]["backend"] = "cross_silo", "MPI"

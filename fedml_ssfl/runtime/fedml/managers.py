@@ -33,7 +33,7 @@ from fedml.cross_silo.server.fedml_aggregator import FedMLAggregator
 from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
 from fedml.cross_silo.server.message_define import MyMessage
 
-from ...errors import error_line
+from ...errors import PROG, error_line
 from .adapters import UPLOAD_KEY, SSFLAggregator, unwrap
 from .payloads import encode
 from .protocol import Failure, Finish, Reply
@@ -477,11 +477,19 @@ class SSFLServerManager(FedMLServerManager):
     def on_terminate(self, signum, frame):
         """mpirun (or a scheduler) is ending the job: record who the round was waiting for."""
         waiting = self.runtime.outstanding()
+        if self.runtime.failure is None and not waiting:
+            # no task was out: the rank that ended the job (a worker's refusal) printed the one error line
+            sys.stderr.write(
+                f"{PROG}: the launcher ended the job (signal {signum}) before round {self.runtime.round + 1} "
+                "was under way; the failing rank's error line above names why\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
         if self.runtime.failure is None:
-            who = self.runtime.describe(waiting) if waiting else "no worker"
             self.runtime.fail(
                 f"the job was terminated (signal {signum}) in round {self.runtime.round + 1} while the server "
-                f"waited for {who}; a worker process died (the launcher's message names its rank)"
+                f"waited for {self.runtime.describe(waiting)}; a worker process died (the launcher's message "
+                "names its rank)"
             )
         sys.stderr.write(error_line(str(self.runtime.failure)) + "\n")
         sys.stderr.flush()
