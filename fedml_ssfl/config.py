@@ -213,6 +213,9 @@ class CommArgs:
     # a FedML script's FedMLRunner only: true runs it on FedML's own managers and transport (no outboxes,
     # heartbeats, outage budget or --resume; under GRPC pickles in plaintext, so also insecure: true)
     fedml_stock_transport: bool = False
+    # GRPC only: true = clients connect out to the server and fetch their tasks on that connection (devices
+    # behind NAT; the ipconfig CSV needs only rank 0's row). runtime/fedml/connect_out.py, docs/deploy.md
+    connect_out: bool = False
 
 
 @dataclass
@@ -589,6 +592,7 @@ def _combination_problems(cfg: ExperimentConfig) -> list[str]:
         (_check_normalisation, cfg.data_args),
         (_check_participation, cfg),
         (_check_deployment, cfg),
+        (_check_connect_out, cfg),
     ):
         try:
             check(arg)
@@ -638,6 +642,23 @@ def _check_participation(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"train_args.{used[0]}: only the local simulator draws or replays participation so far, not "
             f"comm_args.backend '{cfg.comm_args.backend}'; remove the key, or run with comm_args.backend local"
+        )
+
+
+def _check_connect_out(cfg: ExperimentConfig) -> None:
+    """``comm_args.connect_out`` is a mode of the package's GRPC transport."""
+    c = cfg.comm_args
+    if not c.connect_out:
+        return
+    if c.backend != "GRPC":
+        raise ConfigError(
+            f"comm_args.connect_out: clients connect out only under comm_args.backend GRPC (got '{c.backend}'); "
+            "set comm_args.backend GRPC, or remove comm_args.connect_out"
+        )
+    if c.fedml_stock_transport:
+        raise ConfigError(
+            "comm_args.connect_out: FedML's stock transport (comm_args.fedml_stock_transport) has no connect-out "
+            "mode; remove one of the two keys"
         )
 
 

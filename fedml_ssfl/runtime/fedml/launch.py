@@ -327,6 +327,9 @@ def grpc_rank(cfg: ExperimentConfig, rank: int | None, role: str | None) -> tupl
     if not cfg.comm_args.grpc_ipconfig_path:
         raise ConfigError("comm_args.grpc_ipconfig_path: GRPC needs an ipconfig CSV (see deploy/ipconfig.csv)")
     table = read_ipconfig(cfg.comm_args.grpc_ipconfig_path, cfg.common_args.run_id)
+    if cfg.comm_args.connect_out and 0 in table and set(table) <= set(range(world)):
+        # clients connect out: only the server's row is needed; a client's own row is never listened on
+        table = {r: table.get(r, ("", 0)) for r in range(world)}
     if sorted(table) != list(range(world)):
         raise ConfigError(
             f"{cfg.comm_args.grpc_ipconfig_path} lists ranks {sorted(table)}, but {world_reason(cfg)}: ranks "

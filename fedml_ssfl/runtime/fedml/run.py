@@ -125,7 +125,8 @@ def run_fedml(
             name = security.tls.server_name or host
             if name not in ("0.0.0.0", "::", ""):
                 check_own_certificate(security.tls, name, rank)
-        check_port_free(rank, *table[rank])
+        if rank == 0 or not cfg.comm_args.connect_out:  # a connect-out client listens nowhere
+            check_port_free(rank, *table[rank])
     claimed = None  # a new run folder: removed on an error before anything was written into it
     lock = None  # the server holds its run folder for the run's life (a second run of it is refused)
     try:
@@ -149,6 +150,7 @@ def run_fedml(
             args = fedml_args(cfg, rank)
             args.comm, args.ssfl_grpc_table, args.ssfl_security = comm, table, security
             args.ssfl_membership = membership(cfg)
+            args.ssfl_connect_out = cfg.comm_args.connect_out
             args.ssfl_job = security.job if security is not None else cfg.common_args.run_id
             with contextlib.redirect_stdout(io.StringIO()):
                 args = fedml.init(args, check_env=False, should_init_logs=False)

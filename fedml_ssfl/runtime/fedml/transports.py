@@ -249,6 +249,7 @@ class QuietGrpcComm(GRPCCommManager):
         async def start():
             server = grpc.aio.server(options=options)
             grpc_comm_manager_pb2_grpc.add_gRPCCommManagerServicer_to_server(self.grpc_servicer, server)
+            server.add_generic_rpc_handlers(self.extra_handlers())
             if tls is None:
                 bound = server.add_insecure_port(address)
             else:
@@ -264,6 +265,10 @@ class QuietGrpcComm(GRPCCommManager):
         except RuntimeError:
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise port_in_use(self.client_rank, address) from None
+
+    def extra_handlers(self) -> tuple:
+        """gRPC handlers a subclass serves besides FedML's ``sendMessage`` (:mod:`.connect_out`'s fetch)."""
+        return ()
 
     def receive(self, data: bytes, peer: str) -> None:
         """Open one envelope (a gRPC handler's thread): queue what it carries, or raise :class:`Refused`."""
@@ -615,14 +620,38 @@ def _grpc(manager) -> QuietGrpcComm:
     )
 
 
-TRANSPORTS: dict[str, Any] = {"MPI": _mpi, "GRPC": _grpc}
-"""``comm_args.backend`` -> a function of the manager building its :class:`~.transport.Transport`."""
+def _connect_out(manager):
+    from .connect_out import ConnectOutComm  # subclasses QuietGrpcComm: imported here, not at the top
+
+    return ConnectOutComm(
+        grpc_ipconfig_path=manager.args.grpc_ipconfig_path,
+        client_rank=manager.rank,
+        client_num=manager.size,
+        args=manager.args,
+        meter=manager.meter,
+        limits=manager.limits,
+    )
+
+
+CONNECT_OUT = "GRPC_CONNECT_OUT"
+"""The transport of ``comm_args.backend: GRPC`` with ``comm_args.connect_out: true`` (:mod:`.connect_out`)."""
+
+TRANSPORTS: dict[str, Any] = {"MPI": _mpi, "GRPC": _grpc, CONNECT_OUT: _connect_out}
+"""``comm_args.backend`` (``GRPC_CONNECT_OUT``: GRPC with ``comm_args.connect_out``) -> a function of the
+manager building its :class:`~.transport.Transport`."""
+
+
+def transport_name(manager) -> str:
+    """The :data:`TRANSPORTS` entry of a manager's job."""
+    if manager.backend == "GRPC" and getattr(manager.args, "ssfl_connect_out", False):
+        return CONNECT_OUT
+    return manager.backend
 
 
 def make_comm(manager) -> None:
     """Install the backend's transport on a FedML comm manager (called from ``_init_manager``)."""
-    build = TRANSPORTS.get(manager.backend)
+    build = TRANSPORTS.get(transport_name(manager))
     if build is None:
-        raise ConfigError(f"comm_args.backend {manager.backend}: only {' and '.join(TRANSPORTS)} are supported")
+        raise ConfigError(f"comm_args.backend {manager.backend}: only MPI and GRPC are supported")
     manager.com_manager = build(manager)
     manager.com_manager.add_observer(manager)
