@@ -113,3 +113,76 @@ def test_connect_out_is_a_grpc_key_and_needs_only_the_servers_row(tmp_path):
     raw["comm_args"]["connect_out"] = False
     with pytest.raises(ConfigError, match="lists ranks"):
         grpc_rank(validate(raw), 2, "client")
+
+
+class _Box:
+    """The server's side of the mailbox without a job: a running event loop and the send function."""
+
+    def __init__(self):
+        import asyncio
+        import threading
+
+        from fedml_ssfl.runtime.fedml.connect_out import ConnectOutComm
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        comm = ConnectOutComm.__new__(ConnectOutComm)
+        comm.client_rank, comm._lock, comm.mailboxes, comm._loop = 0, threading.Lock(), {}, self.loop
+        self.comm, self.send = comm, comm._send_to(1)
+
+    def fetch(self, wait=2.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self.comm.mailbox(1).take(wait), self.loop).result(10)
+
+    def sending(self, envelope, timeout=10.0):
+        import threading
+
+        out = {}
+
+        def run():
+            try:
+                self.send(envelope, timeout)
+                out["code"] = "OK"
+            except Exception as exc:
+                out["code"] = getattr(exc, "code", repr(exc))
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t, out
+
+
+@pytest.mark.parametrize("answer", ["OK", "ALREADY_EXISTS", "FAILED_PRECONDITION", "PERMISSION_DENIED"])
+def test_an_envelope_counts_as_sent_when_the_fetch_acknowledges_it_with_the_clients_status(answer):
+    """The outbox's send returns the status the client's ticket acknowledged, so a duplicate is delivered,
+    an unknown session re-runs the handshake and a refusal gives it up, as under GRPC."""
+    box = _Box()
+    envelope = b"sealed"
+    thread, out = box.sending(envelope)
+    pending = box.fetch()  # the client's long poll is answered with it
+    assert pending is not None and pending.envelope is envelope
+    thread.join(0.3)
+    assert thread.is_alive()  # handed out is not sent: the acknowledgement is
+    box.comm.mailbox(1).ack(pending.number, answer, "why")
+    thread.join(5)
+    assert out["code"] == answer
+    assert box.fetch(0.2) is None  # acknowledged: not sent again
+
+
+def test_an_unacknowledged_envelope_is_handed_out_again_and_a_retry_is_no_new_message():
+    box = _Box()
+    envelope = b"sealed"
+    thread, out = box.sending(envelope, timeout=1.0)
+    first = box.fetch()
+    again = box.fetch()  # the answer was lost: the next fetch acknowledges nothing, gets it again
+    assert again is first
+    thread.join(5)
+    assert out["code"] == "UNAVAILABLE"  # not fetched and acknowledged within the attempt: retried
+    assert box.fetch(0.2) is None  # given up: not left behind for a later fetch
+    thread, out = box.sending(envelope)
+    retry = box.fetch()
+    thread2, out2 = box.sending(envelope)  # the outbox's retry of the same bytes while it waits
+    assert box.comm.mailbox(1).number == retry.number
+    box.comm.mailbox(1).ack(retry.number, "OK", "")
+    thread.join(5), thread2.join(5)
+    assert out["code"] == out2["code"] == "OK"

@@ -229,11 +229,11 @@ def test_every_transport_implements_what_the_managers_use():
     import ast
     import inspect
 
-    from fedml_ssfl.runtime.fedml import managers, transports
+    from fedml_ssfl.runtime.fedml import connect_out, managers, transports
     from fedml_ssfl.runtime.fedml.transport import Transport
 
     names = {n for n in dir(Transport) if not n.startswith("_")} | set(Transport.__annotations__)
-    for cls in (transports.QuietMpiComm, transports.QuietGrpcComm):
+    for cls in (transports.QuietMpiComm, transports.QuietGrpcComm, connect_out.ConnectOutComm):
         missing = sorted(n for n in names if not hasattr(cls, n) and n not in ("heard",))
         assert not missing, (cls.__name__, missing)
     assert hasattr(transports.QuietMpiComm, "heard")  # a property there, an attribute on GRPC's
@@ -246,7 +246,7 @@ def test_every_transport_implements_what_the_managers_use():
                 used.add(node.attr)
     used -= {"transport"}
     assert used and used <= names, sorted(used - names)
-    assert set(transports.TRANSPORTS) == {"MPI", "GRPC"}
+    assert set(transports.TRANSPORTS) == {"MPI", "GRPC", "GRPC_CONNECT_OUT"}
 
 
 LAB_SUBNET = "10.203.0"  # addresses only inside the namespaces the lab makes
