@@ -274,8 +274,11 @@ class ConnectOutComm(QuietGrpcComm):
                 self.beat_cause[0] = f"{exc.code().name}: {exc.details() or ''}"
                 self._stopping.wait(1.0)
                 continue
-            except ValueError:  # a channel closed by stop_receive_message
-                return
+            except ValueError:  # a closed channel: stopped, or dropped (the next call opens another)
+                if self._stopping.is_set():
+                    return
+                self._stopping.wait(1.0)
+                continue
             got = NUMBER.unpack_from(data)[0]
             envelope = data[NUMBER.size :]
             if got == 0:  # the server's heartbeat: counts once its session is admitted
