@@ -186,3 +186,27 @@ def test_an_unacknowledged_envelope_is_handed_out_again_and_a_retry_is_no_new_me
     box.comm.mailbox(1).ack(retry.number, "OK", "")
     thread.join(5), thread2.join(5)
     assert out["code"] == out2["code"] == "OK"
+
+
+def test_the_replay_memory_of_one_sender_keeps_its_newest_sessions_and_leaves_the_others_alone():
+    """The opener keeps, per sender, the sequence numbers of its newest SESSIONS_KEPT sessions (and the
+    admitted one); it prunes one sender's without looking at the others' (an envelope costs the same
+    at 1,000 devices as at 2: docs/performance.md)."""
+    from fedml_ssfl.runtime.fedml.security import HELLO, SESSIONS_KEPT, Duplicate, JobSecurity, Opener, Sealer
+
+    sec = JobSecurity("job", b"k" * 32, None)
+    opener = Opener(sec, 0, set(range(1, 4)), 2**20)
+    first = Sealer(sec, 1)
+    opener.admit(1, first.session)
+    opener.open(first.seal(0, b"", HELLO))
+    other = Sealer(sec, 2)
+    opener.open(other.seal(0, b"", HELLO))
+    for _ in range(SESSIONS_KEPT + 3):  # rank 1 restarts many times
+        opener.open(Sealer(sec, 1).seal(0, b"", HELLO))
+    ones = [k for k in opener.seen if k[0] == 1]
+    assert len(ones) == SESSIONS_KEPT + 1 and (1, first.session) in opener.seen  # the admitted one stays too
+    assert (2, other.session) in opener.seen
+    replay = other.seal(0, b"", HELLO)
+    opener.open(replay)
+    with pytest.raises(Duplicate):
+        opener.open(replay)

@@ -313,6 +313,7 @@ class Opener:
         self.admitted: dict[int, str] = {}
         # (sender, session) -> (highest seq, seqs within the window); the newest SESSIONS_KEPT per sender
         self.seen: dict[tuple[int, str], tuple[int, set[int]]] = {}
+        self.sessions: dict[int, dict[str, None]] = {}  # sender -> its sessions in seen, the newest last
         self._lock = threading.Lock()
 
     def admit(self, sender: int, session: str) -> str | None:
@@ -378,9 +379,13 @@ class Opener:
         if seq > highest:
             highest = seq
             window = {s for s in window if s > highest - REPLAY_WINDOW}
-        self.seen.pop(key, None)
-        self.seen[key] = (highest, window)  # the newest last
-        mine = [k for k in self.seen if k[0] == sender]
-        for old in mine[: max(0, len(mine) - SESSIONS_KEPT)]:
-            if old[1] != self.admitted.get(sender):
-                del self.seen[old]
+        self.seen[key] = (highest, window)
+        # this sender's sessions, the newest last: a dict per sender, so an envelope costs the same
+        # whatever the number of ranks (scanning every sender's sessions made a round quadratic)
+        mine = self.sessions.setdefault(sender, {})
+        mine.pop(session, None)
+        mine[session] = None
+        for old in list(mine)[: max(0, len(mine) - SESSIONS_KEPT)]:
+            if old != self.admitted.get(sender):
+                del mine[old]
+                self.seen.pop((sender, old), None)
