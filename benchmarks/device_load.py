@@ -392,6 +392,24 @@ def measure(devices: int, rounds: int, drop: tuple[float, float], away: float, s
         }
 
 
+def opener_cost(senders: int, sessions: int = 3, envelopes: int = 3000) -> float:
+    """Microseconds the server's :class:`~fedml_ssfl.runtime.fedml.security.Opener` spends on one
+    envelope when ``senders`` ranks have each been seen with ``sessions`` sessions (restarts)."""
+    from fedml_ssfl.runtime.fedml.security import HELLO, JobSecurity, Opener, Sealer
+
+    sec = JobSecurity("job", b"k" * 32, None)
+    opener = Opener(sec, 0, set(range(1, senders + 1)), 2**20)
+    for rank in range(1, senders + 1):
+        for _ in range(sessions):
+            opener.open(Sealer(sec, rank).seal(0, b"", HELLO))
+    sealers = [Sealer(sec, 1 + i % senders) for i in range(min(senders, 50))]
+    batch = [sealers[i % len(sealers)].seal(0, b"", HELLO) for i in range(envelopes)]
+    t0 = time.perf_counter()
+    for envelope in batch:
+        opener.open(envelope)
+    return 1e6 * (time.perf_counter() - t0) / envelopes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, nargs="+", default=[20])
@@ -402,8 +420,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--opener", type=int, nargs="*", default=None, help="only measure opener_cost at these senders")
+    p.add_argument("--label", default="", help="--opener: the key the figures are written under")
     a = p.parse_args(argv)
     out = json.loads(a.out.read_text()) if a.out.exists() else {}
+    if a.opener is not None:
+        figures = {str(n): opener_cost(n) for n in a.opener}
+        print(json.dumps(figures))
+        out[f"opener_us_per_envelope{a.label}"] = figures
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     for n in a.devices:
         result = measure(n, a.rounds, (a.drop_min, a.drop_max), a.away, a.seed, a.timeout)
         print(json.dumps(result, indent=1))

@@ -2,8 +2,9 @@
 
 Imports FedML (through :mod:`.transports`): import it only when a FedML job starts.
 
-Selected by ``comm_args.connect_out: true`` (with ``comm_args.backend: GRPC``); registered in
-:data:`~.transports.TRANSPORTS` as ``GRPC_CONNECT_OUT``. A phone or a silo behind NAT accepts no
+Selected by ``comm_args.connect_out: true`` (with ``comm_args.backend: GRPC``); importing this module
+registers it in :data:`~.transports.TRANSPORTS` as ``GRPC_CONNECT_OUT`` (:mod:`.run` does, with the
+managers). A phone or a silo behind NAT accepts no
 connection, so here only the server listens: the server needs no client's address (the ipconfig CSV
 needs only rank 0's row) and a client may start anywhere that reaches the server, with its certificate
 (mutual TLS, the job's CA) and the job key. Everything else is :class:`~.transports.QuietGrpcComm`'s:
@@ -48,7 +49,7 @@ import grpc
 from .delivery import SendError
 from .diagnose import Cause
 from .security import BEAT, HELLO, Refused
-from .transports import _STATUS, QuietGrpcComm
+from .transports import _STATUS, CONNECT_OUT, TRANSPORTS, QuietGrpcComm
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,20 @@ class ConnectOutComm(QuietGrpcComm):
             self._fetch_channel = channel
             call = self._fetch_rpc = channel.unary_unary(FETCH)
         return call
+
+
+def _build(manager) -> ConnectOutComm:
+    return ConnectOutComm(
+        grpc_ipconfig_path=manager.args.grpc_ipconfig_path,
+        client_rank=manager.rank,
+        client_num=manager.size,
+        args=manager.args,
+        meter=manager.meter,
+        limits=manager.limits,
+    )
+
+
+TRANSPORTS[CONNECT_OUT] = _build
 
 
 class _NoServicer:

@@ -159,7 +159,10 @@ def run_fedml(
 
                 mpi_pickle = MPI.pickle
                 MPI.pickle.__init__(meter.dumps, meter.loads)
-            from . import managers  # FedML's classes: imported only now, offline
+            from . import (
+                connect_out,  # noqa: F401 - registers comm_args.connect_out's transport
+                managers,  # FedML's classes: imported only now, offline
+            )
             from .adapters import SSFLAggregator
 
             workers = worker_count(cfg)

@@ -620,23 +620,12 @@ def _grpc(manager) -> QuietGrpcComm:
     )
 
 
-def _connect_out(manager):
-    from .connect_out import ConnectOutComm  # subclasses QuietGrpcComm: imported here, not at the top
-
-    return ConnectOutComm(
-        grpc_ipconfig_path=manager.args.grpc_ipconfig_path,
-        client_rank=manager.rank,
-        client_num=manager.size,
-        args=manager.args,
-        meter=manager.meter,
-        limits=manager.limits,
-    )
-
-
 CONNECT_OUT = "GRPC_CONNECT_OUT"
-"""The transport of ``comm_args.backend: GRPC`` with ``comm_args.connect_out: true`` (:mod:`.connect_out`)."""
+"""The transport of ``comm_args.backend: GRPC`` with ``comm_args.connect_out: true``: :mod:`.connect_out`
+registers it here when imported (:mod:`.run` imports it with the managers; it subclasses
+:class:`QuietGrpcComm`, so this module cannot import it)."""
 
-TRANSPORTS: dict[str, Any] = {"MPI": _mpi, "GRPC": _grpc, CONNECT_OUT: _connect_out}
+TRANSPORTS: dict[str, Any] = {"MPI": _mpi, "GRPC": _grpc}
 """``comm_args.backend`` (``GRPC_CONNECT_OUT``: GRPC with ``comm_args.connect_out``) -> a function of the
 manager building its :class:`~.transport.Transport`."""
 
