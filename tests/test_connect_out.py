@@ -210,3 +210,62 @@ def test_the_replay_memory_of_one_sender_keeps_its_newest_sessions_and_leaves_th
     opener.open(replay)
     with pytest.raises(Duplicate):
         opener.open(replay)
+
+
+def test_a_connect_out_silo_killed_in_a_round_and_started_again_rejoins_and_the_model_is_the_simulators(tmp_path):
+    """GRPC's outage semantics, connecting out: in a deployment (one process per silo, its own file)
+    silo 0's process dies in round 2 (exit 3) and is started again with the same command; the server,
+    which has no address for it, hands the new process the round's task when it fetches, and the run
+    ends with the simulator's model."""
+    import sys
+
+    from fedml_ssfl.config import load_config
+    from fedml_ssfl.experiment import export_deployment
+    from tests.conftest import SMALL
+    from tests.test_fedml_grpc import DYING_CLIENT, make_certs
+
+    settings = [
+        *SMALL,
+        "train_args.client_num_in_total=3",
+        "train_args.client_num_per_round=3",
+        "train_args.comm_round=3",
+        "ssfl_args.algorithm=fedavg_ssl",
+        "device_args.num_threads=1",
+    ]
+    sim = load_config(None, [*settings, f"common_args.output_dir={tmp_path / 'runs'}", "common_args.run_name=sim"])
+    exported = export_deployment(sim, tmp_path / "data")
+    port = free_ports(1)[0]
+    (tmp_path / "ipconfig.csv").write_text(f"eid,rank,grpc_server_ip,grpc_server_port\n0,0,127.0.0.1,{port}\n")
+    cfg = load_config(
+        exported,
+        [
+            "comm_args.backend=GRPC",
+            "comm_args.connect_out=true",
+            f"comm_args.grpc_ipconfig_path={tmp_path / 'ipconfig.csv'}",
+            "common_args.run_name=out",
+            *make_certs(tmp_path, 4),
+        ],
+    )
+    (tmp_path / "c.yaml").write_text(cfg.to_yaml())
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(DYING_CLIENT)
+    environ = env(FEDML_SSFL_HEARTBEAT_INTERVAL="1")
+
+    def launch(cmd: list[str], rank: int) -> subprocess.Popen:
+        role = "server" if rank == 0 else "client"
+        args = ["run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role]
+        return subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
+
+    procs = [launch([str(CLI)], 0), launch([sys.executable, str(launcher)], 1), launch([str(CLI)], 2)]
+    procs.append(launch([str(CLI)], 3))
+    ((code, _, _),) = finish([procs[1]], TIMEOUT)
+    assert code == 3
+    procs[1] = launch([str(CLI)], 1)
+    results = finish(procs, TIMEOUT)
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stdout[-2000:]}\n{stderr[-4000:]}"
+    assert "rejoined as a new process" in results[0][2]
+    local = run_local(sim, run_dir=tmp_path / "local")
+    a = load_checkpoint(local.run_dir / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    b = load_checkpoint(cfg.run_dir() / "checkpoints" / "last.pt")["algorithm"]["global_state"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
