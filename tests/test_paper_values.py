@@ -431,3 +431,54 @@ def test_each_reply_carries_the_papers_count_on_unequal_clients(small_config, na
     assert [replies[k].num_samples for k in start.chosen] == expected
     assert len(set(expected)) == 3
     finish_round(exp, start, replies, 0)
+
+
+def test_fedmatch_embeds_each_clients_own_model_with_its_own_statistics_on_the_seeded_noise(small_config):
+    """Sec. 3.1: the server embeds client l's model theta_l = sigma_l + psi_l (with the BatchNorm statistics
+    sent) as its prediction on one fixed random-noise input (tests/test_final_paths.py follows the helpers
+    the embeddings choose)."""
+    from fedml_ssfl import seeding
+
+    exp, algo = build(
+        small_config,
+        "ssfl_args.algorithm=fedmatch",
+        "model_args.norm=bn",
+        *LABELS_AT_CLIENT,
+        "ssfl_args.tau=0",
+        "ssfl_args.lambda_a=1",
+        "ssfl_args.num_helpers=1",
+        "ssfl_args.helper_interval=1",
+        "train_args.local_steps=2",
+    )
+    info = algo.data_info
+    gen = seeding.generator(exp.config.common_args.random_seed, "fedmatch-probe")
+    noise = (0.5 + 0.5 * torch.randn((1, info.in_channels, info.image_size, info.image_size), generator=gen)).clamp(
+        0, 1
+    )
+    mean = torch.tensor(info.mean).view(1, -1, 1, 1)
+    std = torch.tensor(info.std).view(1, -1, 1, 1)
+    probe = (noise - mean) / std  # Gaussian noise in pixel space, normalised like the data
+    assert torch.allclose(algo.probe, probe, atol=1e-6)
+
+    start = start_round(exp, 0)
+    data = {k: cut(exp, k, 0, u, n_l) for k, u, n_l in zip(start.chosen, (30, 90, 200, 60), (20, 4, 10, 6))}
+    replies = {k: algo.run_client_update(start.messages[k], data[k], {}, ctx(0)) for k in start.chosen}
+    views = {k: dict(algo.views[k]) for k in start.chosen}
+    finish_round(exp, start, replies, 0)
+    lay = algo.layout()
+    sigmas = reconstructed(algo, replies, views, SIGMA)
+    psis = reconstructed(algo, replies, views, PSI)
+    emb = {}
+    for k in start.chosen:
+        model = algo.model_fn()
+        state = {n: sigmas[k][n] + psis[k][n] for n in lay.params}
+        state.update({b: replies[k].weights[b] for b in lay.buffers})  # client k's own running statistics
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            emb[k] = torch.softmax(model(probe).double(), dim=1).reshape(-1)
+        # compared as log-probabilities: on noise a BN model's softmax is nearly one-hot
+        assert torch.allclose(algo.embeddings[k].log(), emb[k].log(), atol=1e-3), k
+        model.load_state_dict({**state, **{b: algo.buffers[b] for b in lay.buffers}})
+        with torch.no_grad():  # the global statistics give another embedding: the test can tell them apart
+            assert far(torch.log_softmax(model(probe).double(), dim=1).reshape(-1), emb[k].log(), 1e-2)
