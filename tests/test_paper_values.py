@@ -482,3 +482,49 @@ def test_fedmatch_embeds_each_clients_own_model_with_its_own_statistics_on_the_s
         model.load_state_dict({**state, **{b: algo.buffers[b] for b in lay.buffers}})
         with torch.no_grad():  # the global statistics give another embedding: the test can tell them apart
             assert far(torch.log_softmax(model(probe).double(), dim=1).reshape(-1), emb[k].log(), 1e-2)
+
+
+# ---- the server's supervised step: which view of its labelled data, towards which label ----------------
+SERVER_VIEW = {  # the papers' server loss on its labels: alpha(x), the weak view, towards the true label y
+    "fedavg_ssl": ["ssfl_args.bootstrap_steps=0"],  # Zhang et al. Eq. 2: CE(f(alpha(x); w_s), y)
+    "semifl": ["ssfl_args.server_steps=2"],  # Diao et al. Eq. 1: CE(f(alpha(x)), y)
+    "fedseal": ["ssfl_args.bootstrap_steps=0", "ssfl_args.server_steps=2", "data_args.num_server_val=20"],  # Eq. 3/4
+    "fedmatch": ["ssfl_args.server_steps=2"],  # Jeong et al. Eq. 4 (Algorithm 2): lambda_s CE(y, p(alpha(x)))
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVER_VIEW))
+def test_the_server_trains_the_weak_view_of_its_labels_towards_their_labels(small_config, monkeypatch, name):
+    from tests.known_net import WEAK, Recorder, coded_data, tag_views, targets, took_loss
+
+    tag_views(monkeypatch)
+    exp = build_experiment(
+        small_config(
+            f"ssfl_args.algorithm={name}", "train_args.batch_size=8", "train_args.local_steps=2", *SERVER_VIEW[name]
+        )
+    )
+    algo = exp.algorithm
+    rec = Recorder(num_classes=10)
+    algo.model_fn = rec.factory()
+    coded = coded_data(-1, 0, 40)  # 40 labelled samples whose id is in the image, label id % 10
+    algo.server_data = dataclasses.replace(
+        algo.server_data,
+        images=coded.images,
+        labels=coded.labels,
+        labeled_idx=coded.labeled_idx,
+        val_idx=coded.labeled_idx[:0],
+    )
+    if name == "fedseal":  # Eq. 5 needs a validation set: the last 10 samples, never trained on
+        algo.server_data = dataclasses.replace(
+            algo.server_data, labeled_idx=coded.labeled_idx[:30], val_idx=coded.labeled_idx[30:]
+        )
+    algo.setup()
+    rec.clear()
+    algo.server_step(0)
+    trained = rec.trained()
+    assert len(trained) == 2, [c.views.tolist() for c in rec.calls]  # one pass a step
+    for call in trained:
+        assert (call.views == WEAK).all() and call.training
+        assert took_loss(call.grad).all()
+        assert torch.equal(targets(call.grad), call.ids % 10)  # the true label, not the model's class on any view
+        assert set(call.ids.tolist()) <= set(algo.server_data.labeled_idx.tolist())
