@@ -528,3 +528,38 @@ def test_the_server_trains_the_weak_view_of_its_labels_towards_their_labels(smal
         assert took_loss(call.grad).all()
         assert torch.equal(targets(call.grad), call.ids % 10)  # the true label, not the model's class on any view
         assert set(call.ids.tolist()) <= set(algo.server_data.labeled_idx.tolist())
+
+
+def test_fedmatch_averages_sigma_over_the_clients_that_trained_it_and_psi_over_all(small_config):
+    """Labels-at-client with one client holding no label: it trains psi only (Eq. 5) and sends no sigma, so
+    sigma is the uniform mean of the two clients that trained it (Algorithm 1 l. 10), psi of all three."""
+    exp, algo = build(
+        small_config,
+        "ssfl_args.algorithm=fedmatch",
+        *LABELS_AT_CLIENT,
+        "ssfl_args.tau=0",
+        "ssfl_args.lambda_a=1",
+        "train_args.client_num_per_round=3",
+        "train_args.local_steps=2",
+    )
+    start = start_round(exp, 0)
+    labeled = (20, 0, 10)
+    data = {k: cut(exp, k, 0, u, n_l) for k, u, n_l in zip(start.chosen, UNLABELED, labeled)}
+    replies = {k: algo.run_client_update(start.messages[k], data[k], {}, ctx(0)) for k in start.chosen}
+    views = {k: dict(algo.views[k]) for k in start.chosen}
+    held = {n: views[start.chosen[1]][SIGMA + n] for n in algo.layout().params}
+    finish_round(exp, start, replies, 0)
+    lay = algo.layout()
+    a, b, c = start.chosen
+    assert not any(key.startswith(SIGMA) for key in replies[b].weights)
+    assert [replies[k].num_samples for k in start.chosen] == [50, 90, 210]
+    sigmas = reconstructed(algo, {a: replies[a], c: replies[c]}, views, SIGMA)
+    psis = reconstructed(algo, replies, views, PSI)
+    thr = algo.setting("psi_threshold")
+    for n in lay.params:
+        two = (sigmas[a][n].double() + sigmas[c][n].double()) / 2
+        assert torch.allclose(algo.sigma[n].double(), two, atol=1e-7), n
+        mean = sum(psis[k][n].double() for k in start.chosen) / 3
+        assert torch.allclose(algo.psi[n].double(), torch.where(mean.abs() < thr, 0 * mean, mean), atol=1e-7), n
+    three = {n: (sigmas[a][n].double() + held[n].double() + sigmas[c][n].double()) / 3 for n in lay.params}
+    assert any(far(three[n], algo.sigma[n], 1e-5) for n in lay.params)
