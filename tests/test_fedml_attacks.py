@@ -7,6 +7,9 @@
 * a member gone wrong (rank 1's own process, its key and session) sends the server thousands of
   corrupted payloads: each is dropped with one line, the server never stops, the run completes
   with the simulator's model;
+* a member (rank 1, its own key and session) that sends, before its own reply, a well-formed reply
+  naming another rank's silo: refused with one line naming the rank, the run completes with the
+  simulator's model;
 * a worker whose update raises exits non-zero, its traceback in its own log, the server one line
   naming the silo;
 * the true cause as the one-line error: a certificate for the wrong name, a plaintext silo against
@@ -354,6 +357,67 @@ def test_captured_envelopes_replayed_after_a_resume_and_a_fuzzing_member_change_
     raw["common_args"]["training_type"] = "simulation"
     local = run_local(validate(raw), run_dir=tmp_path / "local")
     same_model(run_dir, local.run_dir)
+
+
+# Rank 1 gone wrong in one way: before its reply of round 2 it sends a well-formed copy that names
+# rank 2's silo, sealed with its own key and session (the issue's "replies for silos [1], expected [0, 1]").
+FORGING_CLIENT = textwrap.dedent(
+    """
+    import dataclasses, sys
+    from fedml.core.distributed.communication.message import Message as FedMessage
+    from fedml.cross_silo.server.message_define import MyMessage
+    from fedml_ssfl.cli import main
+    from fedml_ssfl.runtime.fedml import transports
+
+    original, sent = transports.QuietGrpcComm.send_message, []
+
+    def send_message(self, msg):
+        if msg.get_type() == MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER:
+            sent.append(1)
+            params = msg.get_params()
+            upload = params[MyMessage.MSG_ARG_KEY_MODEL_PARAMS]
+            if len(sent) == 2 and isinstance(upload, dict):
+                forged = FedMessage(msg.get_type(), msg.get_sender_id(), msg.get_receiver_id())
+                for key, value in params.items():
+                    if key not in (FedMessage.MSG_ARG_KEY_TYPE, FedMessage.MSG_ARG_KEY_SENDER,
+                                   FedMessage.MSG_ARG_KEY_RECEIVER):
+                        forged.add_params(key, value)
+                reply = upload["ssfl"]
+                forged.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS,
+                                  {"ssfl": dataclasses.replace(reply, silo=reply.silo + 1, rank=reply.rank + 1)})
+                original(self, forged)
+                print("forged a reply for silo", reply.silo + 1, file=sys.stderr, flush=True)
+        original(self, msg)
+
+    transports.QuietGrpcComm.send_message = send_message
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_members_reply_naming_another_silo_is_refused_and_the_run_completes(tmp_path):
+    cfg = grpc_config(tmp_path, 3, "train_args.client_num_in_total=2", "train_args.comm_round=3", tls=True)
+    forger = tmp_path / "forge.py"
+    forger.write_text(FORGING_CLIENT)
+    procs = []
+    for rank in range(3):
+        prefix = [sys.executable, str(forger)] if rank == 1 else [str(CLI)]
+        role = "server" if rank == 0 else "client"
+        cmd = [*prefix, "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()))
+    results = finish(procs, TIMEOUT)
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 0, f"rank {rank}: {err[-3000:]}"
+    assert "forged a reply for silo 1" in results[1][2], results[1][2][-2000:]
+    server_log = results[0][2]
+    refused = [x for x in server_log.splitlines() if "refused rank 1's reply" in x]
+    assert len(refused) == 1 and "rank 2 silo 1" in refused[0] and "asked rank 1 for silo 0" in refused[0], refused
+    assert "RuntimeError" not in server_log and "Traceback" not in server_log
+    raw = cfg.to_dict()
+    raw["comm_args"] = {"backend": "local"}
+    raw["common_args"]["training_type"] = "simulation"
+    local = run_local(validate(raw), run_dir=tmp_path / "local")
+    same_model(cfg.run_dir(), local.run_dir)
 
 
 RAISING_CLIENT = textwrap.dedent(

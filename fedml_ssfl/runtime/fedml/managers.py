@@ -281,6 +281,10 @@ class SSFLServerManager(FedMLServerManager):
         if isinstance(payload, Failure):
             self.fail(rt.client_error(payload))
             return
+        problem = rt.reply_problem(sender, payload)
+        if problem is not None:  # a member's inconsistent reply: refused, the round waits for its answer
+            log.warning("round %d: refused rank %d's reply: %s", rt.round + 1, sender, problem)
+            return
         rt.received(sender)
         try:
             super().handle_message_receive_model_from_client(msg_params)

@@ -177,6 +177,23 @@ class ServerRuntime:
     def received(self, rank: int) -> None:
         self.awaiting.pop(rank, None)
 
+    def routed(self, rank: int) -> list[tuple[int, bool]]:
+        """(silo, trained) of each reply round ``self.round``'s task asks of ``rank``, in the task's order."""
+        start = self.current
+        chosen = start.chosen if start is not None else []
+        return [(k, True) for k, w in self.owners(self.round).items() if w == rank and k in chosen]
+
+    def reply_problem(self, rank: int, reply: Reply) -> str | None:
+        """Why ``reply``, received from ``rank`` in this round, does not answer the task the round sent it
+        (None when it does). A member's reply naming another rank, silo or round is refused, not fatal."""
+        got = [(up.round, up.rank, up.silo, up.trained) for up in (reply, *reply.more)]
+        want = [(self.round, rank, k, trained) for k, trained in self.routed(rank)]
+        if sorted(got) == sorted(want):
+            return None
+        said = ", ".join(f"round {r + 1} rank {w} silo {k}{'' if t else ' (idle)'}" for r, w, k, t in got)
+        asked = ", ".join(f"silo {k}{'' if t else ' (idle)'}" for _, _, k, t in want) or "nothing"
+        return f"it answers {said}, where round {self.round + 1} asked rank {rank} for {asked}"
+
     # ---- a round -------------------------------------------------------------------------
     def begin_round(self) -> dict[int, Task]:
         """Server step and one task per silo for the current round (idempotent per round)."""
@@ -459,6 +476,11 @@ class DeployedServerRuntime(ServerRuntime):
         self.payloads[k] = task
         self.introduced.add(rank)
         return task
+
+    def routed(self, rank: int) -> list[tuple[int, bool]]:
+        """Rank k + 1 answers for silo k every round: trained when it was chosen, else idle."""
+        start = self.current
+        return [(rank - 1, start is not None and rank - 1 in start.chosen)]
 
     def finish_round(self, uploads: list[Reply | Failure], **extra: Any) -> dict[str, Any]:
         start, r = self.current, self.round
