@@ -395,17 +395,22 @@ FORGING_CLIENT = textwrap.dedent(
 )
 
 
-def test_a_members_reply_naming_another_silo_is_refused_and_the_run_completes(tmp_path):
-    cfg = grpc_config(tmp_path, 3, "train_args.client_num_in_total=2", "train_args.comm_round=3", tls=True)
-    forger = tmp_path / "forge.py"
-    forger.write_text(FORGING_CLIENT)
+def job_with_rank1_running(tmp: Path, script: str) -> list[subprocess.Popen]:
+    """The 3 ranks of ``tmp/c.yaml``'s GRPC job, rank 1 through ``script`` (a patched ``fedml-ssfl``)."""
+    launcher = tmp / "rank1.py"
+    launcher.write_text(script)
     procs = []
     for rank in range(3):
-        prefix = [sys.executable, str(forger)] if rank == 1 else [str(CLI)]
+        prefix = [sys.executable, str(launcher)] if rank == 1 else [str(CLI)]
         role = "server" if rank == 0 else "client"
-        cmd = [*prefix, "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role]
+        cmd = [*prefix, "run", "--cf", str(tmp / "c.yaml"), "--rank", str(rank), "--role", role]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()))
-    results = finish(procs, TIMEOUT)
+    return procs
+
+
+def test_a_members_reply_naming_another_silo_is_refused_and_the_run_completes(tmp_path):
+    cfg = grpc_config(tmp_path, 3, "train_args.client_num_in_total=2", "train_args.comm_round=3", tls=True)
+    results = finish(job_with_rank1_running(tmp_path, FORGING_CLIENT), TIMEOUT)
     for rank, (code, _, err) in enumerate(results):
         assert code == 0, f"rank {rank}: {err[-3000:]}"
     assert "forged a reply for silo 1" in results[1][2], results[1][2][-2000:]
@@ -441,15 +446,9 @@ RAISING_CLIENT = textwrap.dedent(
 
 def test_a_worker_that_raised_exits_non_zero_with_its_traceback_in_its_own_log(tmp_path):
     cfg = grpc_config(tmp_path, 3, "train_args.client_num_in_total=2", "train_args.comm_round=3")
-    launcher = tmp_path / "raise.py"
-    launcher.write_text(RAISING_CLIENT)
-    procs = []
-    for rank in range(3):
-        prefix = [sys.executable, str(launcher)] if rank == 1 else [str(CLI)]
-        role = "server" if rank == 0 else "client"
-        cmd = [*prefix, "run", "--cf", str(tmp_path / "c.yaml"), "--rank", str(rank), "--role", role]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()))
-    (code0, _, err0), (code1, _, err1), (code2, _, err2) = finish(procs, TIMEOUT)
+    (code0, _, err0), (code1, _, err1), (code2, _, err2) = finish(
+        job_with_rank1_running(tmp_path, RAISING_CLIENT), TIMEOUT
+    )
     assert (code0, code1, code2) == (1, 1, 1), (err0[-2000:], err1[-2000:], err2[-2000:])
     summary = json.loads((cfg.run_dir() / "summary.json").read_text())
     assert (
