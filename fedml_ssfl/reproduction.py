@@ -117,11 +117,12 @@ ROWS: tuple[PaperRow, ...] = (
 DATA_LAYOUT: dict[str, tuple[str, str]] = {
     "cifar10": ("cifar-10-batches-py", "CIFAR-10's python batches (data_batch_1..5, test_batch, batches.meta)"),
     "cifar100": ("cifar-100-python", "CIFAR-100's python files (train, test, meta)"),
-    "svhn": (".", "SVHN's train_32x32.mat and test_32x32.mat"),
+    "svhn": ("train_32x32.mat", "SVHN's train_32x32.mat and test_32x32.mat"),
     "fashion_mnist": ("FashionMNIST/raw", "Fashion-MNIST's IDX files (torchvision's layout)"),
     "emnist_balanced": ("EMNIST/raw", "EMNIST's balanced IDX files (torchvision's layout)"),
 }
-"""Where in ``--data-dir`` each dataset's files go (the readers in ``data/datasets.py``) and what they are."""
+"""What in ``--data-dir`` each dataset needs (a folder, or SVHN's file; the readers in ``data/datasets.py``
+check the rest) and what goes there."""
 
 SMOKE_SETTINGS: tuple[str, ...] = (
     "train_args.comm_round=2",
@@ -177,10 +178,12 @@ def format_list() -> str:
 def check_data(row: PaperRow, data_dir: Path) -> None:
     """A ConfigError (one line: the folder and the fix) unless ``row``'s dataset folder is in ``data_dir``."""
     sub, what = DATA_LAYOUT[row.dataset]
-    folder = data_dir / sub if sub != "." else data_dir
-    if not data_dir.is_dir() or not folder.is_dir():
+    need = data_dir / sub
+    if not need.exists():
+        kind = "file" if need.suffix == ".mat" else "folder"
+        where = need.parent if kind == "file" else need
         raise ConfigError(
-            f"{row.key}: dataset folder {folder} not found; put {what} there (docs/inputs.md), "
+            f"{row.key}: dataset {kind} {need} not found; put {what} in {where} (docs/inputs.md), "
             "or pass --data-dir the folder that holds it"
         )
 
