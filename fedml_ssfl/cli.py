@@ -295,6 +295,7 @@ def _add_reproduce_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", choices=("paper", "smoke"), default="paper", help="smoke: 2 rounds on a tiny split")
     p.add_argument("--work", type=Path, default=Path("runs/reproduce"), help="run folders and result files")
     p.add_argument("--out", type=Path, default=Path("docs/reproduction.md"), help="the page written")
+    p.add_argument("--page-only", action="store_true", help="write the page from the results in --work, run nothing")
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
@@ -302,6 +303,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     if args.list:
         print(reproduction.format_list())
+        return 0
+    if args.page_only:
+        reproduction.write_page(args.out, reproduction.load_results(args.work))
+        print(f"wrote {args.out}")
         return 0
     if args.data_dir is None:
         raise ConfigError("reproduce: give --data-dir DIR (the datasets' folder), or --list for the rows")

@@ -227,6 +227,28 @@ def row_overrides(row: PaperRow, data_dir: Path, device: str, out: Path, budget:
     return sets
 
 
+def result_record(
+    row: PaperRow, result: Any, budget: str, device: str, seconds: float, resumed: bool
+) -> dict[str, Any]:
+    """A row's result file: ours (the final accuracy, as the papers report), the gap, where and how long."""
+    return {
+        "key": row.key,
+        "paper": row.number,
+        "ours": round(100 * result.final_acc, 2),
+        "best": round(100 * result.best_acc, 2),
+        "gap": gap(100 * result.final_acc, row.number),
+        "rounds": result.rounds_completed,
+        "paper_rounds": load_config(row.config).train_args.comm_round,
+        "budget": budget,
+        "device": device,
+        "machine": machine(),
+        "seconds": round(seconds, 1),
+        "resumed": resumed,
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "run_dir": str(result.run_dir),
+    }
+
+
 def run_row(row: PaperRow, data_dir: Path, device: str, out: Path, budget: str) -> dict[str, Any] | None:
     """Run one row (skipped when its result file exists; resumed when its run folder has a checkpoint).
 
@@ -243,22 +265,7 @@ def run_row(row: PaperRow, data_dir: Path, device: str, out: Path, budget: str) 
     resume = (run_dir / "checkpoints" / "last.pt").exists()
     started = time.time()
     result = run_local(cfg, run_dir=run_dir, resume=resume)
-    record = {
-        "key": row.key,
-        "paper": row.number,
-        "ours": round(100 * result.final_acc, 2),
-        "best": round(100 * result.best_acc, 2),
-        "gap": gap(100 * result.final_acc, row.number),
-        "rounds": result.rounds_completed,
-        "paper_rounds": load_config(row.config).train_args.comm_round,
-        "budget": budget,
-        "device": device,
-        "machine": machine(),
-        "seconds": round(time.time() - started, 1),
-        "resumed": resume,
-        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "run_dir": str(run_dir),
-    }
+    record = result_record(row, result, budget, device, time.time() - started, resume)
     done.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(done, lambda fh: fh.write((json.dumps(record, indent=1) + "\n").encode("utf-8")))
     return record
@@ -284,8 +291,9 @@ def format_page(results: dict[str, dict[str, Any]]) -> str:
         "the paper's, in points. A `smoke` budget cuts a row to 2 rounds on a tiny split: it checks that the",
         "row runs, it is not a result.",
         "",
-        "| row | paper | table, row | paper % | ours % | gap | run | budget (rounds) | device, machine | time |",
-        "|---|---|---|---:|---:|---:|---|---|---|---:|",
+        "| row | paper | table, row | config | paper % | ours % | gap | run | budget (rounds) | device, machine "
+        "| time |",
+        "|---|---|---|---|---:|---:|---:|---|---|---|---:|",
     ]
     never = []
     for r in ROWS:
@@ -293,12 +301,14 @@ def format_page(results: dict[str, dict[str, Any]]) -> str:
         measure = "" if r.measure == GLOBAL else f" (paper: {r.measure})"
         if rec is None:
             lines.append(
-                f"| {r.key} | {r.paper} | {r.table}, {r.row}{measure} | {r.number:.2f} | - | - | not run | - | - | - |"
+                f"| {r.key} | {r.paper} | {r.table}, {r.row}{measure} | `{r.config}` | {r.number:.2f} | - | - | "
+                "not run | - | - | - |"
             )
         else:
             g = rec["gap"]
             lines.append(
-                f"| {r.key} | {r.paper} | {r.table}, {r.row}{measure} | {r.number:.2f} | {rec['ours']:.2f} | "
+                f"| {r.key} | {r.paper} | {r.table}, {r.row}{measure} | `{r.config}` | {r.number:.2f} | "
+                f"{rec['ours']:.2f} | "
                 f"{g:+.2f} | {rec['finished_utc']} UTC | {rec['budget']} ({rec['rounds']}/{rec['paper_rounds']}) | "
                 f"{rec['device']}, {rec['machine']} | {rec['seconds']:.0f} s |"
             )
@@ -311,6 +321,13 @@ def format_page(results: dict[str, dict[str, Any]]) -> str:
         f"{len(never)} of {len(ROWS)} rows have never run at paper scale (the paper's rounds, split and data):",
         "",
         *[f"- `{k}`" for k in never],
+        "",
+        "## Commands",
+        "",
+        "Every row: `fedml-ssfl reproduce --data-dir DATA --device cuda` (DATA holds the datasets in their",
+        "published formats, docs/inputs.md). One row: add `--rows KEY`; the same run by hand:",
+        "`fedml-ssfl run CONFIG --set data_args.data_cache_dir=DATA --set device_args.device=cuda --no-compare`.",
+        "A row with a result under `runs/reproduce/results/` is skipped; a stopped one resumes in its run folder.",
         "",
     ]
     return "\n".join(lines)

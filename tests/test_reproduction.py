@@ -64,6 +64,22 @@ def test_gap_is_ours_minus_the_paper() -> None:
     assert reproduction.gap(None, 93.1) is None
 
 
+def test_the_gap_is_taken_from_the_final_accuracy_as_the_papers_report(tmp_path: Path) -> None:
+    from fedml_ssfl.runtime.common import RunResult
+
+    row = reproduction.select_rows(["zhang-svhn-fedavg"])[0]
+    result = RunResult(run_dir=tmp_path, algorithm="ssfl", final_acc=0.9012, best_acc=0.9521, rounds_completed=7)
+    record = reproduction.result_record(row, result, "paper", "cuda", 12.34, resumed=False)
+    assert record["ours"] == 90.12 and record["best"] == 95.21
+    assert record["gap"] == -4.24  # 90.12 - 94.36
+    assert record["seconds"] == 12.3 and record["rounds"] == 7 and record["budget"] == "paper"
+    page = reproduction.format_page({row.key: record})
+    line = next(x for x in page.splitlines() if x.startswith(f"| {row.key} |"))
+    assert "| 94.36 | 90.12 | -4.24 |" in line
+    never = page.split("## Never run at paper scale")[1]
+    assert f"`{row.key}`" not in never and f"{len(reproduction.ROWS) - 1} of {len(reproduction.ROWS)}" in never
+
+
 def test_smoke_run_writes_the_table_and_a_second_run_skips_the_done_row(tmp_path: Path) -> None:
     data = tmp_path / "data"
     _write_cifar10(data)
