@@ -21,6 +21,7 @@ accuracy; this harness compares the global model's test accuracy, the only measu
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import time
@@ -138,6 +139,20 @@ SMOKE_SSFL: dict[str, str] = {"local_epochs": "1", "server_epochs": "1", "server
 """``ssfl_args`` keys ``--budget smoke`` cuts where the row's algorithm has them."""
 
 
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The checkout this module is in (its ``configs/`` is used when the working folder has none)."""
+
+
+def config_path(row: PaperRow) -> Path:
+    """``row.config`` in the working folder, else in the checkout; a ConfigError naming it when neither has it."""
+    for base in (Path.cwd(), CHECKOUT):
+        if (base / row.config).is_file():
+            return base / row.config
+    raise ConfigError(
+        f"{row.key}: config {row.config} not found here or in {CHECKOUT}; run from the checkout that holds configs/"
+    )
+
+
 def row_command(row: PaperRow, data_dir: str = "DATA", device: str = "cuda") -> str:
     """The exact command that runs ``row`` (one row of ``fedml-ssfl reproduce``)."""
     return f"fedml-ssfl reproduce --data-dir {data_dir} --device {device} --rows {row.key}"
@@ -200,10 +215,10 @@ def result_path(out: Path, row: PaperRow) -> Path:
 
 
 def machine() -> str:
-    """This machine in a few words: host, CPU, and the GPU when torch sees one."""
+    """This machine in a few words: host, CPU architecture and count, and the GPU when torch sees one."""
     import torch
 
-    text = f"{socket.gethostname()} ({platform.machine()}, {platform.processor() or 'cpu'})"
+    text = f"{socket.gethostname()} ({platform.machine()}, {os.cpu_count()} CPUs)"
     if torch.cuda.is_available():
         text += f", {torch.cuda.get_device_name(0)}"
     return text
@@ -222,7 +237,7 @@ def row_overrides(row: PaperRow, data_dir: Path, device: str, out: Path, budget:
         sets += list(SMOKE_SETTINGS)
         from .config import load_raw
 
-        ssfl = load_raw(row.config).get("ssfl_args") or {}
+        ssfl = load_raw(config_path(row)).get("ssfl_args") or {}
         sets += [f"ssfl_args.{k}={v}" for k, v in SMOKE_SSFL.items() if ssfl.get(k) is not None]
     return sets
 
@@ -238,7 +253,7 @@ def result_record(
         "best": round(100 * result.best_acc, 2),
         "gap": gap(100 * result.final_acc, row.number),
         "rounds": result.rounds_completed,
-        "paper_rounds": load_config(row.config).train_args.comm_round,
+        "paper_rounds": load_config(config_path(row)).train_args.comm_round,
         "budget": budget,
         "device": device,
         "machine": machine(),
@@ -260,7 +275,7 @@ def run_row(row: PaperRow, data_dir: Path, device: str, out: Path, budget: str) 
     if done.exists():
         return None
     check_data(row, data_dir)
-    cfg = load_config(row.config, row_overrides(row, data_dir, device, out, budget), check_names=True)
+    cfg = load_config(config_path(row), row_overrides(row, data_dir, device, out, budget), check_names=True)
     run_dir = out / "runs" / row.key
     resume = (run_dir / "checkpoints" / "last.pt").exists()
     started = time.time()
