@@ -135,6 +135,9 @@ SMOKE_SETTINGS: tuple[str, ...] = (
 )
 """``--budget smoke``: a few rounds and steps (plus a small split, so tiny files suffice)."""
 
+SMOKE_DATA: dict[str, str] = {"num_server_val": "10"}
+"""``data_args`` keys ``--budget smoke`` cuts where the row's config sets them (FedSEAL's validation set)."""
+
 SMOKE_SSFL: dict[str, str] = {"local_epochs": "1", "server_epochs": "1", "server_steps": "1"}
 """``ssfl_args`` keys ``--budget smoke`` cuts where the row's algorithm has them."""
 
@@ -237,7 +240,9 @@ def row_overrides(row: PaperRow, data_dir: Path, device: str, out: Path, budget:
         sets += list(SMOKE_SETTINGS)
         from .config import load_raw
 
-        ssfl = load_raw(config_path(row)).get("ssfl_args") or {}
+        raw = load_raw(config_path(row))
+        ssfl, data = raw.get("ssfl_args") or {}, raw.get("data_args") or {}
+        sets += [f"data_args.{k}={v}" for k, v in SMOKE_DATA.items() if data.get(k)]
         sets += [f"ssfl_args.{k}={v}" for k, v in SMOKE_SSFL.items() if ssfl.get(k) is not None]
     return sets
 
