@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         "what", nargs="?", choices=LISTS, metavar="WHAT", help=f"{', '.join(LISTS)} (default: all four)"
     )
     _add_bench_command(sub)
+    _add_reproduce_command(sub)
     for command in sub.choices.values():  # `fedml-ssfl run --debug` as well as `fedml-ssfl --debug run`
         _add_global_flags(command, argparse.SUPPRESS)
     parser.set_defaults(commands=sub.choices)
@@ -276,6 +277,45 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1, help="reference replays per round and variant (default 1)")
     p.add_argument("--profile", action="store_true", help="also cProfile one more round and print its top functions")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures to this JSON file")
+
+
+def _add_reproduce_command(sub: argparse._SubParsersAction) -> None:
+    """``fedml-ssfl reproduce``: the seed papers' table rows, listed or run (``reproduction.py``)."""
+    p = sub.add_parser(
+        "reproduce",
+        help="list or run the seed papers' table rows the configs target; writes docs/reproduction.md",
+        description="--list: each paper row's number, config and command. Otherwise run the rows on the "
+        "datasets in --data-dir (a row with a result is skipped, a stopped one resumes) and write the "
+        "paper-vs-ours page.",
+    )
+    p.add_argument("--list", action="store_true", help="print the rows, their paper numbers, configs and commands")
+    p.add_argument("--data-dir", type=Path, default=None, help="folder holding the datasets (docs/inputs.md)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the rows train (default cpu)")
+    p.add_argument("--rows", nargs="+", default=None, metavar="KEY", help="the rows to run (default: all)")
+    p.add_argument("--budget", choices=("paper", "smoke"), default="paper", help="smoke: 2 rounds on a tiny split")
+    p.add_argument("--work", type=Path, default=Path("runs/reproduce"), help="run folders and result files")
+    p.add_argument("--out", type=Path, default=Path("docs/reproduction.md"), help="the page written")
+    p.add_argument("--page-only", action="store_true", help="write the page from the results in --work, run nothing")
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from . import reproduction
+
+    if args.list:
+        print(reproduction.format_list())
+        return 0
+    if args.page_only:
+        reproduction.write_page(args.out, reproduction.load_results(args.work))
+        print(f"wrote {args.out}")
+        return 0
+    if args.data_dir is None:
+        raise ConfigError("reproduce: give --data-dir DIR (the datasets' folder), or --list for the rows")
+    rows = reproduction.select_rows(args.rows)
+    ran, skipped = reproduction.reproduce(rows, args.data_dir, args.device, args.work, args.budget, args.out)
+    for key in skipped:
+        print(f"{key}: done before ({args.work / 'results' / (key + '.json')}), skipped")
+    print(f"ran {len(ran)}, skipped {len(skipped)}; wrote {args.out}")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -506,6 +546,7 @@ COMMANDS = {
     "export": cmd_export,
     "list": cmd_list,
     "bench": cmd_bench,
+    "reproduce": cmd_reproduce,
 }
 
 

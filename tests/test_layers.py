@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("runtime", ("fedml_ssfl.runtime",)),
-    ("bench", ("fedml_ssfl.bench",)),
+    ("bench", ("fedml_ssfl.bench", "fedml_ssfl.reproduction")),
     ("cli", ("fedml_ssfl.cli", "fedml_ssfl.__main__")),
 ]
 """Bottom first. An entry names a module, or a package and everything in it. The root package
