@@ -8,8 +8,10 @@ the labels-at-server rows). Every labels-at-server row whose algorithm has a ser
 as its *idle control* (``train_args.idle_clients: true``: every sampled client sends back the model
 it received) on the same seeds, and the page's ``client gain`` is the row's final accuracy minus its
 idle control's, seed by seed. Per row the page gives the mean and standard deviation of the final
-and best test accuracy, the difference to the split's reference row (server_only, or local_fixmatch
-for labels-at-client), the client gain, the clients' mean pseudo-label mask rate and pseudo-label
+and best test accuracy, the difference to the row's reference (for labels-at-server, server_only
+under the row's own config: the ``compare_with`` run ``fedml-ssfl run`` makes, one run per distinct
+compare config, named ``server_only, compare run of CONFIG`` unless it is the split's server_only
+row; local_fixmatch for labels-at-client), the client gain, the clients' mean pseudo-label mask rate and pseudo-label
 accuracy over the run, traffic relative to dense FedAvg (FedMatch's Table 1) and seconds per round.
 It writes
 
