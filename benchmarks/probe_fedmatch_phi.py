@@ -80,7 +80,7 @@ class ProbeLoss:
             "l2": c.lambda_l2 * l2,
             "l1": c.lambda_l1 * l1,
         }
-        row: dict[str, Any] = {"round": self.round, "mask_rate": float(pl2.mask.float().mean())}
+        row: dict[str, Any] = {"round": self.round + 1, "mask_rate": float(pl2.mask.float().mean())}
         for name, term in parts.items():
             row[f"{name}_value"] = float(term)
             row[f"{name}_grad"] = (
@@ -161,7 +161,7 @@ def run_variant(
         gap = {n: algo.sigma[n] - psi0[n] for n in psi0}  # sigma the clients saw minus the psi they started from
         dpsi = {n: algo.psi[n] - psi0[n] for n in psi0}
         ev = evaluate(algo.global_model(), exp.dataset.test_images, exp.dataset.test_labels, exp.data_info, exp.device)
-        mine = [s for s in steps if s["round"] == r]
+        mine = [s for s in steps if s["round"] == r + 1]  # rounds counted from 1, as per_round
         ratios = [s["pull_over_phi"] for s in mine if s["pull_over_phi"] is not None]
         per_round.append(
             {

@@ -8,8 +8,10 @@ the labels-at-server rows). Every labels-at-server row whose algorithm has a ser
 as its *idle control* (``train_args.idle_clients: true``: every sampled client sends back the model
 it received) on the same seeds, and the page's ``client gain`` is the row's final accuracy minus its
 idle control's, seed by seed. Per row the page gives the mean and standard deviation of the final
-and best test accuracy, the difference to the split's reference row (server_only, or local_fixmatch
-for labels-at-client), the client gain, the clients' mean pseudo-label mask rate and pseudo-label
+and best test accuracy, the difference to the row's reference (for labels-at-server, server_only
+under the row's own config: the ``compare_with`` run ``fedml-ssfl run`` makes, one run per distinct
+compare config, named ``server_only, compare run of CONFIG`` unless it is the split's server_only
+row; local_fixmatch for labels-at-client), the client gain, the clients' mean pseudo-label mask rate and pseudo-label
 accuracy over the run, traffic relative to dense FedAvg (FedMatch's Table 1) and seconds per round.
 It writes
 
@@ -65,6 +67,7 @@ class Row:
     split: str = "mnist5k"
     idle: bool = False
     control_of: str = ""  # the idle control's row (its name without the suffix)
+    reference: bool = False  # run server_only under this config (its compare run), not the config's algorithm
 
     @property
     def path(self) -> Path:
@@ -139,6 +142,65 @@ def with_idle(rows: list[Row]) -> list[Row]:
 
 
 ROWS = [*with_idle(SERVER_ROWS), *CLIENT_ROWS, *with_idle(SECOND_ROWS)]
+REF_PREFIX = "server_only, compare run of "
+
+
+def compare_config(row: Row, base: list[str] = ()):
+    """The config of ``row``'s server_only compare run: what ``fedml-ssfl run`` runs for ``compare_with``.
+
+    The row's config with its overrides, then ``ExperimentConfig.with_algorithm("server_only")``:
+    same data, split, model and ``train_args``; only ``ssfl_args`` is reset.
+    """
+    from fedml_ssfl.config import load_config
+
+    return load_config(row.path, [*base, *row.overrides]).with_algorithm("server_only", run_name="server_only")
+
+
+def _compare_key(row: Row) -> str:
+    d = compare_config(row).to_dict()
+    d["common_args"].pop("run_name", None)
+    return json.dumps(d, sort_keys=True)
+
+
+def same_config_references(rows: list[Row]) -> tuple[list[Row], dict[tuple[str, str], str], dict[str, list[str]]]:
+    """Each labels-at-server row's same-config server_only reference.
+
+    Rows whose compare configs are equal (after ``with_algorithm``; the run name aside) share one
+    reference run; where a plain ``server_only`` row of the split has that config, it is the
+    reference (its runs are reused). Returns the reference rows to run, ``(split, row) -> reference
+    row name``, and per reference row the configs it stands for.
+    """
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.idle or r.reference or r.split not in SPLITS:
+            continue
+        if not r.path.is_file() or load_labels(r) != "server":
+            continue
+        groups.setdefault(_compare_key(r), []).append(r)
+    extra, ref_of, covers = [], {}, {}
+    for members in groups.values():
+        plain = next((m for m in members if m.name == "server_only" and not m.overrides), None)
+        if plain is not None:
+            name = plain.name
+        else:
+            first = members[0]
+            name = REF_PREFIX + f"configs/{first.split}/{first.config}"
+            extra.append(Row(name, first.config, (), first.split, reference=True))
+        for m in members:
+            ref_of[(m.split, m.name)] = name
+        covers[f"{members[0].split}/{name}"] = sorted({f"configs/{m.split}/{m.config}" for m in members})
+    return extra, ref_of, covers
+
+
+def load_labels(row: Row) -> str:
+    from fedml_ssfl.config import load_config
+
+    return load_config(row.path, list(row.overrides)).data_args.label_scenario
+
+
+REF_ROWS, REF_OF, REF_COVERS = same_config_references(ROWS)
+"""The same-config server_only references (rows to run), each row's reference, what each stands for."""
+ROWS = [*ROWS, *REF_ROWS]
 
 IDLE_OF = {
     (r.split, r.name): next(
@@ -201,7 +263,7 @@ def run_one(row: Row, seed: int, out_dir: str) -> dict:
         f"common_args.output_dir={out_dir}",
         f"common_args.random_seed={seed}",
     ]
-    cfg = load_config(row.path, [*base, *row.overrides])
+    cfg = compare_config(row, base) if row.reference else load_config(row.path, [*base, *row.overrides])
     slug = "".join(c if c.isalnum() else "_" for c in f"{row.split}-{row.name}")[:100]
     t0 = time.perf_counter()
     res = run_local(cfg, run_dir=Path(out_dir) / f"{slug}-s{seed}")
@@ -211,6 +273,7 @@ def run_one(row: Row, seed: int, out_dir: str) -> dict:
         "row": row.name,
         "split": row.split,
         "idle": row.idle,
+        "reference": row.reference,
         "control_of": row.control_of,
         "seed": seed,
         "config": f"configs/{row.split}/{row.config}",
@@ -289,12 +352,16 @@ def summarize(runs: list[dict]) -> list[dict]:
             return [r["final_acc"] - by_seed[key] for r, key in pairs if key in by_seed]
 
         ref = REFERENCE.get(g[0]["labels"])
+        if g[0]["labels"] == "server":
+            ref = REF_OF.get(key, ref)
         idle_name = IDLE_OF.get(key, name + IDLE_SUFFIX)
         out.append(
             {
                 "row": name,
                 "split": split,
                 "idle": bool(g[0].get("idle")),
+                "reference": bool(g[0].get("reference")),
+                "ref_row": ref,
                 "delta": paired(ref) if ref != name else [],
                 "gain": paired(idle_name),
                 "has_idle": any((split, idle_name, r["seed"]) in by_seed for r in g),
@@ -324,16 +391,19 @@ def _paired_cell(values: list[float], seeds: list[int]) -> str:
 
 
 TABLE_HEAD = [
-    "| method | config | seeds | final test acc (%) | vs reference, same seed (points) | client gain: vs own idle "
-    "control, same seed (points) | idle control's final acc (%) | best test acc (%) | mask rate (%) | PL acc (%) "
-    "| C2S vs FedAvg | S2C vs FedAvg | s / round |",
-    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "| method | config | seeds | final test acc (%) | reference's final acc (%) | vs reference, same seed (points) | "
+    "client gain: vs own idle control, same seed (points) | idle control's final acc (%) | best test acc (%) | "
+    "mask rate (%) | PL acc (%) | C2S vs FedAvg | S2C vs FedAvg | s / round |",
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
 ]
 
 
-def _table(rows: list[dict], idle: dict[tuple[str, str], dict], most: int) -> list[str]:
+def _table(rows: list[dict], idle: dict[tuple[str, str], dict], most: int, every: dict | None = None) -> list[str]:
     lines = list(TABLE_HEAD)
+    every = every or {}
     for r in rows:
+        ref_row = every.get((r["split"], r.get("ref_row") or ""))
+        ref_final = _pm(ref_row["final"]) if ref_row and ref_row["row"] != r["row"] else ""
         rel = [f"{100 * r[k]:.0f}%" if r[k] is not None else "" for k in ("c2s", "s2c")]
         if r["delta"]:
             vs = _paired_cell(r["delta"], r["seeds"])
@@ -347,7 +417,7 @@ def _table(rows: list[dict], idle: dict[tuple[str, str], dict], most: int) -> li
             gain = "no clients to idle"
         seeds = str(len(r["seeds"])) if len(r["seeds"]) == most else f"{len(r['seeds'])} of {most}"
         lines.append(
-            f"| {r['row']} | `{r['config']}` | {seeds} | {_pm(r['final'])} | {vs} | {gain} | "
+            f"| {r['row']} | `{r['config']}` | {seeds} | {_pm(r['final'])} | {ref_final} | {vs} | {gain} | "
             f"{_pm(control['final']) if control else ''} | {_pm(r['best'])} | {_pm(r['mask_rate'])} | "
             f"{_pm(r['pseudo_acc'])} | {rel[0]} | {rel[1]} | {r['seconds_per_round']:.2f} |"
         )
@@ -377,7 +447,8 @@ def _orderings(rows: list[dict]) -> list[str]:
 def render(meta: dict, runs: list[dict], notes: str) -> str:
     rows = summarize(runs)
     idle = {(r["split"], r["row"]): r for r in rows if r["idle"]}
-    shown = [r for r in rows if not r["idle"]]
+    shown = [r for r in rows if not r["idle"] and not r["reference"]]
+    every = {(r["split"], r["row"]): r for r in rows}
     most = max([len(DEFAULT_SEEDS), *(len(r["seeds"]) for r in rows)])
     lines = [
         "# Results on the shipped data",
@@ -391,9 +462,12 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
         "server labels, which client holds what, and which clients a round samples); accuracy is the mean ±",
         f"standard deviation over the seeds. Every row has {most} seeds unless its `seeds` cell says `n of {most}`.",
         "Labels-at-server: 50 labels on the server, clients unlabeled. Labels-at-client: 5 labels per class on",
-        "each client (500 in all), none on the server. `vs reference`: the row's final accuracy minus the",
-        "reference row's on the same seed (same split), mean ± std over the seeds; the reference is `server_only`",
-        "for labels-at-server and `local_fixmatch` for labels-at-client. `client gain`: the row's final accuracy",
+        "each client (500 in all), none on the server. `vs reference`: the row's final accuracy minus its",
+        "reference's on the same seed (same split), mean ± std over the seeds. For labels-at-server the reference",
+        "is server_only *under the row's own config*: the compare run `fedml-ssfl run CONFIG` makes",
+        "(`ExperimentConfig.with_algorithm('server_only')`: the config's data, split, model, rounds, optimiser and",
+        "schedule; only `ssfl_args` reset), listed below the tables; for labels-at-client (no server labels) it is",
+        "`local_fixmatch`. `client gain`: the row's final accuracy",
         "minus that of its own *idle control* on the same seed: the same config with `train_args.idle_clients:",
         "true`, where every sampled client sends back the model it received (same server path, rounds, seeds",
         "and traffic accounting; docs/algorithms.md). It is what the unlabeled clients add; `vs reference` also",
@@ -423,7 +497,7 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
     for split, labels, title in sections:
         part = [r for r in shown if r["split"] == split and r["labels"] == labels]
         if part:
-            lines += ["", f"## {title}", "", *_table(part, idle, most)]
+            lines += ["", f"## {title}", "", *_table(part, idle, most, every)]
     order = _orderings(rows)
     if order:
         lines += [
@@ -435,6 +509,24 @@ def render(meta: dict, runs: list[dict], notes: str) -> str:
             "",
             *order,
         ]
+    refs = [r for r in rows if r["reference"] or (r["row"] == "server_only" and r["labels"] == "server")]
+    if refs:
+        lines += [
+            "",
+            "## The same-config server_only references",
+            "",
+            "Configs whose compare runs are the same config (the run name aside) share one run; where that config",
+            "is a split's `server_only.yaml`, its row is the reference.",
+            "",
+            "| reference | seeds | final test acc (%) | best test acc (%) | settings | stands for |",
+            "|---|---|---:|---:|---|---|",
+        ]
+        for r in refs:
+            covers = ", ".join(f"`{c}`" for c in REF_COVERS.get(f"{r['split']}/{r['row']}", []))
+            lines.append(
+                f"| {r['row']} ({r['split']}) | {len(r['seeds'])} of {most} | {_pm(r['final'])} | {_pm(r['best'])} | "
+                f"{r['settings']} | {covers} |"
+            )
     settings = sorted({r["settings"] for r in rows if r["settings"]})
     lines += ["", "Settings per config (model, clients, rounds): " + "; ".join(settings) + "."]
     return "\n".join(lines) + "\n\n" + notes
